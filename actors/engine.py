@@ -1,0 +1,231 @@
+"""Inference engines: token ids in, sampled token ids and their log-probs out.
+
+An engine is chosen by `--actor.engine` through `make_engine`. The torch engine
+runs a transformers model with a PEFT adapter on CPU or CUDA; the vLLM engine
+(GPU only, optional extra) is imported only when asked for.
+
+Design of the torch engine's cache: many episodes decode together in one batch
+KV cache laid out on a shared time axis. Each row appends its own new tokens at
+the shared next slots; a row with fewer new tokens leaves masked holes, and
+position ids carry each row's true positions, so no left padding is needed and
+a row's tokens are exactly the tokens it was given. Rows are selected (and the
+cache compacted) by session id, so multi-turn episodes reuse their KV cache
+across turns; a new adapter or a prompt that does not extend its row rebuilds
+the cache from the token lists, so behaviour log-probs always come from the
+weights that sampled them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    temperature: float = 1.0
+    """0 means greedy."""
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]
+    """log μ(token) under the temperature-scaled distribution the engine sampled from."""
+    stopped: bool
+    """True when the completion ended on a stop token (else it hit max_new_tokens)."""
+
+
+class Engine(Protocol):
+    """What an actor needs from an inference engine.
+
+    Usage::
+
+        engine = make_engine("torch", model_path, lora, device="cpu")
+        outs = engine.generate(prompts, SamplingParams(8, stop_ids), sessions=ids)
+        engine.load_adapter(version, tensors)   # between turns, when a new one arrives
+    """
+
+    version: int
+    """Version of the adapter currently applied (0 = none yet)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 sessions: list[Hashable] | None = None) -> list[Completion]:
+        """Sample one completion per prompt. `sessions` names the episode of each prompt so
+        an engine may reuse work across turns; prompts of a session only ever grow."""
+        ...
+
+    def load_adapter(self, version: int, tensors: dict) -> None:
+        """Apply the LoRA adapter `tensors` (PEFT state-dict names) as policy version `version`."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's memory."""
+        ...
+
+
+def make_engine(kind: str, model_path: str, lora, device: str = "cpu", seed: int = 0,
+                dtype: str = "float32") -> Engine:
+    if kind == "torch":
+        return TorchEngine(model_path, lora, device=device, seed=seed, dtype=dtype)
+    if kind == "vllm":
+        from actors.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, lora, seed=seed, dtype=dtype)
+    raise ValueError(f"unknown engine {kind!r}; choose 'torch' or 'vllm'")
+
+
+class TorchEngine:
+    def __init__(self, model_path: str, lora, device: str = "cpu", seed: int = 0,
+                 dtype: str = "float32") -> None:
+        import torch
+
+        from policy.load import load_model, with_lora
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self.model = with_lora(load_model(model_path, dtype=dtype, device=device), lora).eval()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.version = 0
+        self._reset_cache()
+
+    # -- adapters ---------------------------------------------------------
+    def load_adapter(self, version: int, tensors: dict) -> None:
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in tensors.items()})
+        missing = [k for k in result.unexpected_keys]
+        if missing:
+            raise ValueError(f"adapter v{version} has tensors this model lacks: {missing[:3]}")
+        self.version = version
+        self._reset_cache()  # cached keys/values came from the old weights
+
+    # -- generation -------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 sessions: list[Hashable] | None = None) -> list[Completion]:
+        torch = self.torch
+        if not prompts:
+            return []
+        with torch.inference_mode():
+            new = self._select(prompts, sessions)
+            logits = self._forward(new)
+            n = len(prompts)
+            outs = [Completion([], [], False) for _ in range(n)]
+            done = [False] * n
+            for t in range(params.max_new_tokens):
+                tokens, logps = self._sample(logits, params.temperature)
+                step: list[list[int]] = []
+                for i in range(n):
+                    if done[i]:
+                        step.append([])
+                        continue
+                    outs[i].tokens.append(tokens[i])
+                    outs[i].logprobs.append(logps[i])
+                    if tokens[i] in params.stop_ids:
+                        done[i] = outs[i].stopped = True
+                    step.append([] if done[i] else [tokens[i]])
+                if all(done) or t == params.max_new_tokens - 1:
+                    break
+                logits = self._forward(step)
+            return outs
+
+    def _sample(self, logits, temperature: float) -> tuple[list[int], list[float]]:
+        torch = self.torch
+        logits = logits.float()
+        if temperature <= 0:
+            tokens = logits.argmax(-1)
+            logp = torch.log_softmax(logits, -1)
+        else:
+            logp = torch.log_softmax(logits / temperature, -1)
+            tokens = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens.tolist(), chosen.tolist()
+
+    # -- the batch KV cache -----------------------------------------------
+    def _reset_cache(self) -> None:
+        self._cache = None
+        self._rows: list[list[int]] = []       # tokens fed into the cache, per row
+        self._sessions: list[Hashable] = []
+        self._mask = None                      # [B, T] 1 where a slot holds a real token
+
+    def _select(self, prompts: list[list[int]], sessions) -> list[list[int]]:
+        """Point the cache at `sessions` (in order) and return each row's tokens still to feed."""
+        torch = self.torch
+        if sessions is None or self._cache is None or len(set(sessions)) != len(sessions):
+            return self._rebuild(prompts, sessions)
+        longest = max(len(p) for p in prompts)
+        if self._mask.shape[1] > 2 * longest + 64:
+            # Holes left by finished rows and ragged turns: compact by re-prefilling.
+            return self._rebuild(prompts, sessions)
+        index = {s: i for i, s in enumerate(self._sessions)}
+        for s, p in zip(sessions, prompts):
+            have = self._rows[index[s]] if s in index else []
+            if len(p) <= len(have) or p[: len(have)] != have:
+                return self._rebuild(prompts, sessions)
+        # New sessions join as empty rows (continuous batching): they attend to nothing
+        # until their own tokens arrive, so the other rows' cache is kept.
+        fresh = [s for s in sessions if s not in index]
+        if fresh:
+            self._add_rows(len(fresh))
+            for s in fresh:
+                index[s] = len(self._sessions)
+                self._sessions.append(s)
+                self._rows.append([])
+        rows = [index[s] for s in sessions]
+        if rows != list(range(len(self._sessions))):
+            idx = torch.tensor(rows, device=self.device)
+            self._cache.batch_select_indices(idx)
+            self._mask = self._mask[idx]
+            self._rows = [self._rows[r] for r in rows]
+        self._sessions = list(sessions)
+        return [p[len(self._rows[i]):] for i, p in enumerate(prompts)]
+
+    def _add_rows(self, k: int) -> None:
+        torch = self.torch
+        for layer in self._cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                setattr(layer, name, torch.cat([t, t.new_zeros((k, *t.shape[1:]))], dim=0))
+        self._mask = torch.cat([self._mask, self._mask.new_zeros((k, self._mask.shape[1]))], dim=0)
+
+    def _rebuild(self, prompts, sessions) -> list[list[int]]:
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache()
+        self._rows = [[] for _ in prompts]
+        self._sessions = list(sessions) if sessions is not None else [object() for _ in prompts]
+        self._mask = self.torch.zeros((len(prompts), 0), dtype=self.torch.long, device=self.device)
+        return [list(p) for p in prompts]
+
+    def _forward(self, new: list[list[int]]):
+        """Append each row's new tokens; return next-token logits for every row, [B, V]."""
+        torch = self.torch
+        b, width = len(new), max(len(x) for x in new)
+        assert width > 0, "every forward must feed at least one row"
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        real = torch.zeros((b, width), dtype=torch.long)
+        for i, toks in enumerate(new):
+            ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            real[i, : len(toks)] = 1
+        lens = torch.tensor([len(r) for r in self._rows], dtype=torch.long)
+        positions = lens[:, None] + torch.arange(width)[None, :]
+        ids, real, positions = ids.to(self.device), real.to(self.device), positions.to(self.device)
+        mask = torch.cat([self._mask, real], dim=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         cache=self._cache, use_cache=True)
+        self._mask = mask  # the cache object was extended in place
+        last = torch.tensor([max(len(x) - 1, 0) for x in new], device=self.device)
+        logits = out.logits[torch.arange(b, device=self.device), last]
+        for i, toks in enumerate(new):
+            self._rows[i].extend(toks)
+        return logits
+
+    def close(self) -> None:
+        self._reset_cache()
+        del self.model

@@ -1,0 +1,191 @@
+"""A 2D grid maze as a multi-turn text task.
+
+Design decisions:
+- The maze family is an H×W grid of open cells ('.') and walls ('#') with the
+  agent ('@') and goal ('G') on open cells, the goal reachable from the start.
+  Walls are drawn at random and the task is kept only if the shortest path is
+  at least `min_path` moves, so that every task needs planning rather than a
+  single step. At the default 5×5 there are far more than 10,000 distinct tasks
+  (wall layout × start × goal), so nothing can be memorised; `maze-64` is a
+  fixed set of 64 distinct tasks from one seed, and the training stream skips
+  any task that equals one of them.
+- The observation is the whole grid every turn (small grids keep it short), with
+  a first line that reports what the last move did: `moved`, `wall` (the move
+  ran into a wall or the edge and changed nothing) or `invalid` (no direction
+  could be read). Reporting the bump matters: without it a greedy policy that
+  picks a blocked move once picks it again every turn.
+- Actions are parsed leniently: the first of up/down/left/right (or u/d/l/r,
+  n/s/w/e) in any case. Anything else is a wasted move, never an exception.
+- Reward is sparse: 1.0 on reaching the goal within `max_steps` moves, else 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from envs.base import TextEnv
+
+MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+_ALIASES = {"u": "up", "n": "up", "north": "up", "d": "down", "s": "down", "south": "down",
+            "l": "left", "w": "left", "west": "left", "r": "right", "e": "right", "east": "right"}
+_WORD = re.compile(r"[a-z]+")
+
+MAZE64_SEED = 64064
+"""The seed that generates maze-64, the fixed evaluation set."""
+
+
+@dataclass(frozen=True)
+class Maze:
+    walls: tuple[tuple[bool, ...], ...]  # [H][W], True = wall
+    start: tuple[int, int]
+    goal: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.walls), len(self.walls[0])
+
+    def key(self) -> str:
+        """A content hash: two tasks are the same maze iff their keys match."""
+        return hashlib.sha1(self.render(self.start).encode() + repr(self.goal).encode()).hexdigest()
+
+    def open(self, r: int, c: int) -> bool:
+        h, w = self.shape
+        return 0 <= r < h and 0 <= c < w and not self.walls[r][c]
+
+    def render(self, pos: tuple[int, int]) -> str:
+        rows = []
+        for r, row in enumerate(self.walls):
+            cells = []
+            for c, wall in enumerate(row):
+                cells.append("@" if (r, c) == pos else "G" if (r, c) == self.goal else "#" if wall else ".")
+            rows.append("".join(cells))
+        return "\n".join(rows)
+
+
+def shortest_path(maze: Maze, src: tuple[int, int] | None = None) -> list[str] | None:
+    """BFS oracle: the moves of a shortest path from `src` (default: start) to the goal."""
+    src = maze.start if src is None else src
+    prev: dict[tuple[int, int], tuple[tuple[int, int], str] | None] = {src: None}
+    queue = deque([src])
+    while queue:
+        cur = queue.popleft()
+        if cur == maze.goal:
+            moves = []
+            while prev[cur] is not None:
+                cur, move = prev[cur]  # type: ignore[misc]
+                moves.append(move)
+            return moves[::-1]
+        for name, (dr, dc) in MOVES.items():
+            nxt = (cur[0] + dr, cur[1] + dc)
+            if nxt not in prev and maze.open(*nxt):
+                prev[nxt] = (cur, name)
+                queue.append(nxt)
+    return None
+
+
+def generate(rng: np.random.Generator, size: int, wall_density: float, min_path: int) -> Maze:
+    """Draw one solvable maze whose shortest path is at least `min_path` moves."""
+    while True:
+        walls = rng.random((size, size)) < wall_density
+        free = np.argwhere(~walls)
+        if len(free) < 2:
+            continue
+        i, j = rng.choice(len(free), size=2, replace=False)
+        maze = Maze(tuple(tuple(bool(x) for x in row) for row in walls),
+                    tuple(int(x) for x in free[i]), tuple(int(x) for x in free[j]))
+        path = shortest_path(maze)
+        if path is not None and len(path) >= min_path:
+            return maze
+
+
+def maze_set(seed: int, n: int, size: int, wall_density: float, min_path: int) -> list[Maze]:
+    """`n` distinct mazes drawn from one seed (maze-64 is `maze_set(MAZE64_SEED, 64, ...)`)."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, Maze] = {}
+    while len(out) < n:
+        maze = generate(rng, size, wall_density, min_path)
+        out.setdefault(maze.key(), maze)
+    return list(out.values())
+
+
+@functools.lru_cache(maxsize=8)
+def _maze64_keys(size: int, wall_density: float, min_path: int) -> frozenset[str]:
+    """Keys of maze-64 for this family: training resets skip them."""
+    return frozenset(m.key() for m in maze_set(MAZE64_SEED, 64, size, wall_density, min_path))
+
+
+def parse_move(text: str) -> str | None:
+    """The first direction named in `text`, or None."""
+    for word in _WORD.findall(text.lower()):
+        if word in MOVES:
+            return word
+        if word in _ALIASES:
+            return _ALIASES[word]
+    return None
+
+
+class MazeEnv(TextEnv):
+    """Reach G from @ by moving up/down/left/right; reward 1.0 at the goal.
+
+    `reset(seed=s)` builds the maze from `s` alone (deterministic). With
+    `options={"maze": Maze}` it plays that exact maze instead (evaluation sets).
+    """
+
+    def __init__(self, size: int = 5, wall_density: float = 0.3, min_path: int = 3,
+                 max_steps: int = 12) -> None:
+        super().__init__()
+        if size < 2:
+            raise ValueError(f"maze size must be at least 2 cells, got {size}")
+        if not 0.0 <= wall_density < 0.7:
+            raise ValueError(f"wall_density must be in [0, 0.7) so mazes stay solvable, got {wall_density}")
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be positive, got {max_steps}")
+        self.size, self.wall_density, self.min_path, self.max_steps = size, wall_density, min_path, max_steps
+        self.maze: Maze | None = None
+        self.pos = (0, 0)
+        self.steps = 0
+
+    eval_seed = MAZE64_SEED
+
+    def eval_tasks(self, seed: int, n: int) -> list[dict[str, Any]]:
+        return [{"maze": m} for m in maze_set(seed, n, self.size, self.wall_density, self.min_path)]
+
+    def _reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        maze = options.get("maze")
+        if maze is not None and not isinstance(maze, Maze):
+            raise TypeError("options['maze'] must be a Maze")
+        held_out = _maze64_keys(self.size, self.wall_density, self.min_path)
+        while maze is None or (maze.key() in held_out and "maze" not in options):
+            maze = generate(self.np_random, self.size, self.wall_density, self.min_path)
+        self.maze, self.pos, self.steps = maze, maze.start, 0
+        return self._observe("start"), {"optimal_steps": len(shortest_path(maze) or [])}
+
+    def _observe(self, status: str) -> str:
+        assert self.maze is not None
+        return status + "\n" + self.maze.render(self.pos)
+
+    def _step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.maze is None:
+            raise RuntimeError("call reset() before step()")
+        self.steps += 1
+        move = parse_move(text)
+        if move is None:
+            status = "invalid"
+        else:
+            dr, dc = MOVES[move]
+            nxt = (self.pos[0] + dr, self.pos[1] + dc)
+            if self.maze.open(*nxt):
+                self.pos, status = nxt, "moved"
+            else:
+                status = "wall"
+        reached = self.pos == self.maze.goal
+        truncated = not reached and self.steps >= self.max_steps
+        info = {"move": move, "status": status, "steps": self.steps}
+        return self._observe(status), 1.0 if reached else 0.0, reached, truncated, info

@@ -1,0 +1,159 @@
+"""`python -m launch.async`: the main job.
+
+Parses the root config, builds the warm start if the built-in maze policy is
+not cached yet, starts (or joins) Ray, places the replay service, the learner
+ranks and the actors as Ray actors, evaluates and logs to TensorBoard from this
+driver process, and shuts everything down on completion or Ctrl-C.
+
+(The module is named `async.py` after the mode; `async` is a keyword, so code
+imports it with importlib, while `python -m launch.async` runs it as usual.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+from launch.config import Config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_policy(cfg: Config) -> str:
+    if cfg.model == "builtin:maze":
+        from launch.warmstart import ensure_warmstart
+
+        return ensure_warmstart(log=lambda m: print(m, flush=True))
+    from policy import resolve_model
+
+    return resolve_model(cfg.model)
+
+
+def main(cfg: Config) -> int:
+    import ray
+    import torch
+
+    from launch.monitor import Board, Evaluator, step_scalars
+    from launch.parts import ActorPart, LearnerPart, ReplayPart
+
+    logdir = cfg.run_dir
+    os.makedirs(logdir, exist_ok=True)
+    model_path = resolve_policy(cfg)
+    torch.set_num_threads(1)
+    mode = "colocated sync (η=0)" if cfg.colocate else f"async (η={cfg.staleness_bound})"
+    print(f"tandem: {cfg.actors} actors, {cfg.learners} learners, {mode}, {cfg.steps} steps, "
+          f"env {cfg.env}, model {model_path}, logs in {logdir}", flush=True)
+
+    env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    parts = 1 + cfg.learners + cfg.actors
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, parts), include_dashboard=False,
+                 runtime_env={"env_vars": env_vars}, log_to_driver=True, logging_level="warning")
+    board = Board(logdir, cfg.steps)
+    try:
+        Replay = ray.remote(num_cpus=1)(ReplayPart)
+        Learner = ray.remote(num_cpus=1, max_concurrency=2)(LearnerPart)
+        Actor = ray.remote(num_cpus=1, max_concurrency=2)(ActorPart)
+        replay = Replay.remote(cfg)
+        endpoint = ray.get(replay.address.remote())
+        dist_url = f"tcp://{cfg.replay.host}:{_free_port()}"
+        learners = [Learner.remote(cfg, model_path, r, dist_url, endpoint) for r in range(cfg.learners)]
+        weights = ray.get([lr.setup.remote() for lr in learners])[0]
+        actors = [Actor.remote(cfg, model_path, i, endpoint, weights) for i in range(cfg.actors)]
+        runs = [a.run.remote() for a in actors]
+        training = [lr.train.remote() for lr in learners]
+        _monitor(cfg, model_path, board, replay, learners[0], actors, training, weights)
+        for a in actors:
+            a.stop.remote()
+        ray.get(runs, timeout=120)
+        final = board.evals[-1] if board.evals else (0, float("nan"))
+        print(f"done: {cfg.steps} steps in {time.time() - board.t0:.0f}s; maze-64 success "
+              f"{board.evals[0][1]:.1%} (v0) -> {final[1]:.1%} (v{final[0]}); adapter in {logdir}/adapter",
+              flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted: stopping every part", flush=True)
+        return 130
+    finally:
+        board.close()
+        ray.shutdown()
+
+
+def _monitor(cfg, model_path, board, replay, learner0, actors, training, weights) -> None:
+    import ray
+
+    from launch.monitor import Evaluator, step_scalars
+    from replay.weights import WeightSubscriber
+
+    evaluator = Evaluator(cfg, model_path)
+    sub = WeightSubscriber(weights)
+    board.eval(0, evaluator.evaluate())
+    last_eval, version, last_print, newest = 0, 0, 0.0, None
+    rate_t, rate_n = time.time(), 0
+    try:
+        while True:
+            done, _ = ray.wait(training, num_returns=len(training), timeout=1.0)
+            for m in ray.get(learner0.drain_metrics.remote()):
+                version = m["version"]
+                stats = ray.get(replay.snapshot.remote())
+                now, n = time.time(), stats["received_trajectories"]
+                scalars = step_scalars(m)
+                if now > rate_t:
+                    scalars["perf/trajectories_per_s"] = (n - rate_n) / (now - rate_t)
+                rate_t, rate_n = now, n
+                scalars.update({"replay/queue_groups": stats["queue_groups"],
+                                "replay/dropped_stale": stats["dropped"].get("stale", 0),
+                                "replay/credit_wait_s": stats["credit_wait_s"]})
+                board.scalars(version, scalars)
+            if len(done) == len(training):
+                ray.get(training)  # surface a learner's exception
+                final = load_adapter_dir(os.path.join(cfg.run_dir, "adapter"))
+                if final.version != last_eval:
+                    evaluator.load(final.version, final.tensors)
+                    board.eval(final.version, evaluator.evaluate())
+                board.progress(version)
+                return
+            newest = sub.poll() or newest
+            if newest is not None and newest.version - last_eval >= cfg.eval_every:
+                evaluator.load(newest.version, newest.tensors)
+                board.eval(newest.version, evaluator.evaluate())
+                last_eval = newest.version
+            if time.time() - last_print > 10:
+                board.progress(version)
+                last_print = time.time()
+    finally:
+        sub.close()
+
+
+def load_adapter_dir(path: str):
+    """An adapter saved by the learner (PEFT format) as a weight-channel Adapter."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from replay.weights import Adapter
+
+    meta = json.loads(open(os.path.join(path, "tandem.json")).read())
+    config = json.loads(open(os.path.join(path, "adapter_config.json")).read())
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    return Adapter(int(meta["version"]), config.get("base_model_name_or_path", ""), config, tensors)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    import tyro
+
+    cfg = tyro.cli(Config, args=argv)
+    return main(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

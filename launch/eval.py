@@ -1,0 +1,61 @@
+"""`python -m launch.eval <adapter dir> --env maze --episodes 64 --seed S`
+
+Greedy success rate of a saved adapter on `episodes` tasks generated from seed
+S (S = the environment's evaluation seed, 64064 for the maze, gives maze-64).
+The base model is the one the adapter was trained on (recorded in its
+adapter_config.json) unless --model says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Annotated
+
+import tyro
+
+
+@dataclass
+class EvalArgs:
+    adapter: Annotated[str, tyro.conf.Positional]
+    """Directory of a saved adapter (the run's <logdir>/adapter), or "none" for the base model."""
+    env: str = "maze"
+    """Environment."""
+    episodes: int = 64
+    """Number of evaluation tasks."""
+    seed: int | None = None
+    """Seed of the task set (default: the environment's evaluation seed, i.e. maze-64)."""
+    model: str | None = None
+    """Base model (default: the one recorded in the adapter)."""
+
+
+def main(args: EvalArgs) -> dict:
+    import importlib
+    import os
+
+    from launch.config import Config
+    from launch.monitor import Evaluator
+
+    launch_async = importlib.import_module("launch.async")
+    if args.adapter != "none" and not os.path.isfile(os.path.join(args.adapter, "adapter_model.safetensors")):
+        raise SystemExit(f"error: {args.adapter} holds no adapter_model.safetensors")
+    adapter = launch_async.load_adapter_dir(args.adapter) if args.adapter != "none" else None
+    cfg = Config(env=args.env, learners=1, model=args.model or (adapter.base_model if adapter else "builtin:maze"))
+    if adapter is not None:
+        lora = adapter.config
+        cfg.learner.lora.rank, cfg.learner.lora.alpha = int(lora["r"]), float(lora["lora_alpha"])
+    model_path = launch_async.resolve_policy(cfg)
+    ev = Evaluator(cfg, model_path, seed=args.seed, episodes=args.episodes)
+    if adapter is not None:
+        ev.load(adapter.version, adapter.tensors)
+    result = ev.evaluate()
+    print(f"{args.episodes} episodes of {args.env} (seed {args.seed if args.seed is not None else 'eval'}): "
+          f"greedy success {result['success_rate']:.1%}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(EvalArgs))
+    sys.exit(0)

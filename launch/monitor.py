@@ -1,0 +1,99 @@
+"""What the driver shows and records: evaluation, TensorBoard scalars, progress lines."""
+
+from __future__ import annotations
+
+import time
+
+from launch.config import Config
+
+
+class Evaluator:
+    """Greedy success on the environment's fixed evaluation set (maze-64 by default).
+
+    Usage::
+
+        ev = Evaluator(cfg, model_path)
+        ev.evaluate()                       # the policy as loaded (version 0)
+        ev.load(adapter.version, adapter.tensors); ev.evaluate()
+    """
+
+    def __init__(self, cfg: Config, model_path: str, seed: int | None = None, episodes: int | None = None) -> None:
+        from actors.engine import make_engine
+        from envs import make_env
+        from policy import Chat, load_tokenizer
+
+        self.cfg = cfg
+        kwargs = cfg.env_kwargs()
+        self.make_env = lambda: make_env(cfg.env, **kwargs)
+        env = self.make_env()
+        self.tasks = env.eval_tasks(env.eval_seed if seed is None else seed, episodes or cfg.eval_episodes)
+        self.engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device)
+        self.chat = Chat(load_tokenizer(model_path))
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load(self, version: int, tensors: dict) -> None:
+        self.engine.load_adapter(version, tensors)
+
+    def evaluate(self) -> dict[str, float]:
+        from actors.rollout import evaluate
+
+        return evaluate(self.engine, self.chat, self.make_env, self.tasks,
+                        self.cfg.actor.max_new_tokens, self.cfg.actor.max_tokens)
+
+
+class Board:
+    """TensorBoard scalars plus a progress line on stdout."""
+
+    def __init__(self, logdir: str, steps: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(logdir)
+        self.steps = steps
+        self.t0 = time.time()
+        self.last: dict[str, float] = {}
+        self.evals: list[tuple[int, float]] = []
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, step)
+            self.last[k] = v
+
+    def eval(self, version: int, result: dict[str, float]) -> None:
+        self.scalars(version, {f"eval/{k}": v for k, v in result.items()})
+        self.evals.append((version, result["success_rate"]))
+        print(f"[{self._clock()}] eval v{version}: success {result['success_rate']:.1%} "
+              f"(mean turns {result['turns_mean']:.1f})", flush=True)
+
+    def _clock(self) -> str:
+        s = int(time.time() - self.t0)
+        return f"{s // 60:02d}:{s % 60:02d}"
+
+    def progress(self, version: int) -> None:
+        g = self.last.get
+        ev = f"{self.evals[-1][1]:.0%}@v{self.evals[-1][0]}" if self.evals else "-"
+        print(f"[{self._clock()}] step {version}/{self.steps} | eval {ev} | "
+              f"reward {g('rollout/reward_mean', 0):.2f} | traj/s {g('perf/trajectories_per_s', 0):.1f} | "
+              f"staleness {g('async/staleness_mean', 0):.2f} | learner idle {g('perf/learner_idle_fraction', 0):.0%} | "
+              f"loss {g('learner/loss', 0):+.4f}", flush=True)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+def step_scalars(m: dict) -> dict[str, float]:
+    """TensorBoard names for one learner step's metrics."""
+    out = {
+        "learner/loss": m["loss"], "learner/grad_norm": m["grad_norm"],
+        "learner/clip_fraction": m["clip_fraction"], "learner/is_weight_mean": m["is_weight_mean"],
+        "learner/is_weight_max": m["is_weight_max"], "learner/mismatch_kl": m["mismatch_kl"],
+        "learner/neg_logprob_mean": m["entropy_proxy"],
+        "rollout/reward_mean": m["reward_mean"], "rollout/seq_len_mean": m["seq_len_mean"],
+        "async/staleness_mean": m["staleness_mean"], "async/staleness_max": m["staleness_max"],
+        "perf/learner_idle_fraction": m["idle_fraction"], "perf/learner_train_s": m["train_s"],
+        "perf/learner_wait_s": m["wait_s"], "perf/adapter_bytes": m["adapter_bytes"],
+    }
+    return out

@@ -1,0 +1,102 @@
+"""Each part as a plain object built from the root config, ready for Ray or one process.
+
+Ray is only the placement layer: `launch/async.py` wraps these classes with
+`ray.remote`; tests and debugging construct them directly. Each class owns its
+threads and sockets and releases them in `close()`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from launch.config import Config
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class ReplayPart:
+    def __init__(self, cfg: Config) -> None:
+        from replay.buffer import ReplayBuffer
+        from replay.server import ReplayServer
+
+        buffer = ReplayBuffer(cfg.learner.groups_per_step, cfg.staleness_bound, cfg.learners, cfg.replay.capacity)
+        self.server = ReplayServer(buffer, f"tcp://{cfg.replay.host}:{cfg.replay.port or '*'}")
+        self.endpoint = self.server.start()
+
+    def address(self) -> str:
+        return self.endpoint
+
+    def snapshot(self) -> dict:
+        return self.server.snapshot()
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+class LearnerPart:
+    def __init__(self, cfg: Config, model_path: str, rank: int, dist_url: str, replay_endpoint: str) -> None:
+        import torch
+
+        from learner.trainer import Learner
+        from replay.client import ZmqReplayClient
+
+        _threads(cfg.learner.threads)
+        torch.manual_seed(cfg.seed)  # same adapter initialisation on every rank
+        self.cfg = cfg
+        self.learner = Learner(cfg.learner, model_path, rank, cfg.learners, dist_url,
+                               ZmqReplayClient(replay_endpoint), temperature=cfg.actor.temperature,
+                               host=cfg.replay.host)
+
+    def setup(self):
+        return self.learner.setup()
+
+    def train(self) -> int:
+        """Run the step budget, save the final adapter under the run dir, shut down."""
+        import pathlib
+
+        save_dir = pathlib.Path(self.cfg.run_dir) / "adapter"
+        try:
+            version = self.learner.run(self.cfg.steps, save_dir=save_dir)
+            self.learner.save_to(save_dir)
+            return version
+        finally:
+            self.learner.close()
+
+    def drain_metrics(self) -> list[dict]:
+        return self.learner.drain_metrics()
+
+
+class ActorPart:
+    def __init__(self, cfg: Config, model_path: str, index: int, replay_endpoint: str,
+                 weight_endpoints: tuple[str, str]) -> None:
+        from actors.actor import Actor
+        from actors.engine import make_engine
+        from envs import make_env
+        from policy import Chat, load_tokenizer
+        from replay.client import ZmqReplayClient
+        from replay.weights import WeightSubscriber
+
+        _threads(cfg.actor.threads)
+        name = f"actor-{index}"
+        engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device,
+                             seed=cfg.seed * 1000 + index)
+        kwargs = cfg.env_kwargs()
+        self.actor = Actor(cfg.actor, name, engine, Chat(load_tokenizer(model_path)),
+                           lambda: make_env(cfg.env, **kwargs), ZmqReplayClient(replay_endpoint, actor=name),
+                           WeightSubscriber(weight_endpoints), seed=cfg.seed * 1000 + index)
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        self.actor.run(self._stop)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stats(self) -> dict:
+        return self.actor.stats()

@@ -1,0 +1,1 @@
+"""The data plane: wire types, the replay buffer and service, and the weight channel."""

@@ -1,0 +1,165 @@
+"""Wire types: declared once, encoded as msgpack with arrays as raw bytes.
+
+Every frame is a msgpack map with a schema version `v` and a `type`. Arrays
+travel as {"dtype", "n", "data"} with little-endian raw bytes. Decoding never
+trusts the peer: unknown schema, unknown type, wrong dtype, lengths that do not
+match, non-finite rewards or a frame over the size cap all raise `WireError`,
+which servers turn into an error reply and a counter. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA = 1
+MAX_FRAME = 64 << 20
+"""Frames larger than this are rejected before decoding (64 MiB)."""
+
+FINISH_REASONS = ("terminated", "truncated", "length", "env_error")
+"""terminated/truncated: as the environment said; length: the context limit; env_error: the environment failed."""
+_DTYPES = {"int32": np.int32, "float32": np.float32, "uint8": np.uint8}
+
+
+class WireError(ValueError):
+    """A frame that does not follow the schema."""
+
+
+def _array(a: np.ndarray, dtype: str) -> dict[str, Any]:
+    a = np.ascontiguousarray(a, dtype=_DTYPES[dtype]).astype(np.dtype(_DTYPES[dtype]).newbyteorder("<"), copy=False)
+    return {"dtype": dtype, "n": int(a.shape[0]), "data": a.tobytes()}
+
+
+def _unarray(obj: Any, dtype: str, what: str) -> np.ndarray:
+    if not isinstance(obj, dict) or set(obj) != {"dtype", "n", "data"}:
+        raise WireError(f"{what}: expected an array map with dtype, n, data")
+    if obj["dtype"] != dtype:
+        raise WireError(f"{what}: dtype {obj['dtype']!r}, expected {dtype!r}")
+    n, data = obj["n"], obj["data"]
+    item = np.dtype(_DTYPES[dtype]).itemsize
+    if not isinstance(n, int) or not isinstance(data, bytes) or n < 0 or len(data) != n * item:
+        raise WireError(f"{what}: length does not match its data")
+    return np.frombuffer(data, dtype=np.dtype(_DTYPES[dtype]).newbyteorder("<")).astype(_DTYPES[dtype])
+
+
+def _get(obj: dict, key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if key not in obj:
+        raise WireError(f"{what}: missing field {key!r}")
+    val = obj[key]
+    if not isinstance(val, kind) or isinstance(val, bool) and kind in (int, float, (int, float)):
+        raise WireError(f"{what}: field {key!r} has type {type(val).__name__}")
+    return val
+
+
+@dataclass
+class Trajectory:
+    """One episode, as the learner trains on it."""
+
+    tokens: np.ndarray      # [T] int32, prompt + model + observation tokens
+    logprobs: np.ndarray    # [T] float32, behaviour log μ on model tokens, 0 elsewhere
+    mask: np.ndarray        # [T] uint8, 1 on model tokens (trained), 0 on prompt/observations
+    versions: np.ndarray    # [T] int32, policy version that produced each model token
+    reward: float
+    turns: int
+    finish_reason: str
+
+    @property
+    def version(self) -> int:
+        """The oldest version among the model's tokens (the trajectory's version)."""
+        model = self.versions[self.mask.astype(bool)]
+        return int(model.min()) if model.size else int(self.versions.min(initial=0))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"tokens": _array(self.tokens, "int32"), "logprobs": _array(self.logprobs, "float32"),
+                "mask": _array(self.mask, "uint8"), "versions": _array(self.versions, "int32"),
+                "reward": float(self.reward), "turns": int(self.turns), "finish_reason": self.finish_reason}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Trajectory:
+        what = "trajectory"
+        if not isinstance(obj, dict):
+            raise WireError(f"{what}: expected a map")
+        t = cls(tokens=_unarray(obj.get("tokens"), "int32", "tokens"),
+                logprobs=_unarray(obj.get("logprobs"), "float32", "logprobs"),
+                mask=_unarray(obj.get("mask"), "uint8", "mask"),
+                versions=_unarray(obj.get("versions"), "int32", "versions"),
+                reward=float(_get(obj, "reward", (int, float), what)),
+                turns=_get(obj, "turns", int, what),
+                finish_reason=_get(obj, "finish_reason", str, what))
+        n = t.tokens.shape[0]
+        if not (t.logprobs.shape[0] == t.mask.shape[0] == t.versions.shape[0] == n):
+            raise WireError(f"{what}: tokens, logprobs, mask and versions differ in length")
+        if n == 0 or (t.tokens < 0).any():
+            raise WireError(f"{what}: empty, or negative token ids")
+        if not math.isfinite(t.reward) or not np.isfinite(t.logprobs).all() or (t.logprobs > 1e-3).any():
+            raise WireError(f"{what}: reward or log-probs are not finite log-probabilities")
+        if (t.mask > 1).any() or t.turns < 0 or t.finish_reason not in FINISH_REASONS:
+            raise WireError(f"{what}: mask not 0/1, negative turns, or unknown finish reason")
+        return t
+
+
+@dataclass
+class Group:
+    """G trajectories of the same task: the unit actors push and replay stores."""
+
+    group_id: str
+    task: str
+    trajectories: list[Trajectory]
+    actor: str = ""
+    meta: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def version(self) -> int:
+        return min(t.version for t in self.trajectories)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([t.reward for t in self.trajectories], dtype=np.float32)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "task": self.task, "actor": self.actor,
+                "meta": {k: float(v) for k, v in self.meta.items()},
+                "trajectories": [t.to_wire() for t in self.trajectories]}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Group:
+        what = "group"
+        if not isinstance(obj, dict):
+            raise WireError(f"{what}: expected a map")
+        trajs = _get(obj, "trajectories", list, what)
+        if not trajs or len(trajs) > 4096:
+            raise WireError(f"{what}: needs 1 to 4096 trajectories, got {len(trajs)}")
+        meta = obj.get("meta", {})
+        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
+                                                 for k, v in meta.items()):
+            raise WireError(f"{what}: meta must map names to numbers")
+        gid = _get(obj, "group_id", str, what)
+        if not 0 < len(gid) <= 128:
+            raise WireError(f"{what}: group_id must be 1 to 128 characters")
+        return cls(group_id=gid, task=_get(obj, "task", str, what)[:256],
+                   trajectories=[Trajectory.from_wire(t) for t in trajs],
+                   actor=str(obj.get("actor", ""))[:128], meta=dict(meta))
+
+
+def pack(msg_type: str, **fields: Any) -> bytes:
+    return msgpack.packb({"v": SCHEMA, "type": msg_type, **fields}, use_bin_type=True)
+
+
+def unpack(frame: bytes, types: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Decode one frame; raise WireError unless it is a schema-`SCHEMA` map of a known type."""
+    if len(frame) > MAX_FRAME:
+        raise WireError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME}-byte cap")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME,
+                              max_str_len=1 << 20, max_array_len=1 << 20, max_map_len=1 << 16)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise WireError(f"not a msgpack frame: {type(exc).__name__}") from None
+    if not isinstance(obj, dict) or obj.get("v") != SCHEMA or not isinstance(obj.get("type"), str):
+        raise WireError(f"not a schema-{SCHEMA} Tandem frame")
+    if types is not None and obj["type"] not in types:
+        raise WireError(f"unexpected frame type {obj['type']!r}")
+    return obj
