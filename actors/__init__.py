@@ -1,0 +1,1 @@
+"""Actors: inference engines playing environments, pushing groups to replay."""

@@ -1,0 +1,1 @@
+"""The launcher: config, placement on Ray, monitoring, evaluation."""

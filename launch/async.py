@@ -151,7 +151,11 @@ def load_adapter_dir(path: str):
 def cli(argv: list[str] | None = None) -> int:
     import tyro
 
-    cfg = tyro.cli(Config, args=argv)
+    try:
+        cfg = tyro.cli(Config, args=argv)
+    except ValueError as exc:  # raised by __post_init__: a value the user must change
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return main(cfg)
 
 

@@ -1,0 +1,61 @@
+"""`python -m launch.plot <logdir> [--out curve.png]`: draw the training curve from TensorBoard events.
+
+Reads the scalars the launcher wrote and plots maze-64 success (greedy) against
+learner steps, with the rollout reward beside it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Annotated
+
+import tyro
+
+
+def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar under `logdir` as tag -> [(step, value)], sorted by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: sorted((e.step, e.value) for e in acc.Scalars(tag)) for tag in acc.Tags()["scalars"]}
+
+
+@dataclass
+class PlotArgs:
+    logdir: Annotated[str, tyro.conf.Positional]
+    """A run's --logdir."""
+    out: str = "curve.png"
+    """Where to write the PNG."""
+
+
+def main(args: PlotArgs) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scalars = read_scalars(args.logdir)
+    if "eval/success_rate" not in scalars:
+        raise SystemExit(f"error: no eval/success_rate scalars under {args.logdir}")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps, success = zip(*scalars["eval/success_rate"])
+    ax.plot(steps, [100 * s for s in success], "o-", label="maze-64 success, greedy (%)")
+    if "rollout/reward_mean" in scalars:
+        rs, rv = zip(*scalars["rollout/reward_mean"])
+        ax.plot(rs, [100 * v for v in rv], alpha=0.5, label="training reward, sampled (%)")
+    ax.axhline(95, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("learner step (policy version)")
+    ax.set_ylabel("%")
+    ax.set_ylim(0, 100)
+    ax.legend(loc="lower right")
+    ax.set_title("Tandem: GRPO on the maze, 6 actors + 2 learners on 2 CPU cores")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(PlotArgs))
+    sys.exit(0)

@@ -1,0 +1,108 @@
+"""Actors: adapters arrive over the real weight channel and change what the engine computes."""
+
+import threading
+import time
+
+import torch
+
+from actors.actor import Actor, ActorConfig
+from actors.engine import SamplingParams, TorchEngine
+from envs import make_env
+from policy.load import LoraSpec
+from replay.buffer import ReplayBuffer
+from replay.client import LocalReplay
+from replay.weights import Adapter, WeightPublisher, WeightSubscriber, decode_adapter, encode_adapter
+
+LORA = LoraSpec(rank=4)
+
+
+def random_adapter(engine, version, scale=0.5, seed=0):
+    from peft import get_peft_model_state_dict
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {k: torch.randn(v.shape, generator=gen) * scale
+               for k, v in get_peft_model_state_dict(engine.model).items()}
+    return Adapter(version, "tiny", LORA.to_dict(), tensors)
+
+
+def test_adapter_frames_round_trip_as_safetensors():
+    tensors = {"a.lora_A.weight": torch.arange(6.0).reshape(2, 3)}
+    back = decode_adapter(encode_adapter(Adapter(3, "base", {"r": 4}, tensors)))
+    assert back.version == 3 and back.base_model == "base"
+    torch.testing.assert_close(back.tensors["a.lora_A.weight"], tensors["a.lora_A.weight"])
+
+
+def test_pushed_adapter_changes_the_engines_logprobs(tiny_model, chat):
+    engine = TorchEngine(tiny_model, LORA)
+    prompt = chat.prompt_ids([{"role": "user", "content": "start\n@.#\n#.G"}])
+    params = SamplingParams(3, chat.stop_ids, temperature=0.0)
+    before = engine.generate([prompt], params)[0]
+    publisher = WeightPublisher()
+    subscriber = WeightSubscriber(publisher.endpoints)
+    try:
+        time.sleep(0.3)  # let the SUB socket connect before publishing
+        publisher.publish(random_adapter(engine, version=1))
+        adapter = subscriber.wait(10)
+        assert adapter is not None and adapter.version == 1
+        engine.load_adapter(adapter.version, adapter.tensors)
+        after = engine.generate([prompt], params)[0]
+        tokens = before.tokens[:1]
+        from tests.actors.test_engine import full_logprobs
+
+        assert engine.version == 1
+        assert abs(full_logprobs(engine, prompt, tokens)[0] - before.logprobs[0]) > 1e-3
+        assert after.logprobs != before.logprobs
+    finally:
+        subscriber.close()
+        publisher.close()
+
+
+def test_late_joiner_asks_for_the_current_adapter(tiny_model):
+    engine = TorchEngine(tiny_model, LORA)
+    publisher = WeightPublisher()
+    try:
+        publisher.publish(random_adapter(engine, version=5))
+        late = WeightSubscriber(publisher.endpoints)  # missed the PUB message
+        assert late.poll() is None
+        current = late.latest(timeout=10)
+        assert current is not None and current.version == 5
+        late.close()
+    finally:
+        publisher.close()
+
+
+def test_actor_applies_new_adapters_between_turns_and_records_versions(tiny_model, chat):
+    engine = TorchEngine(tiny_model, LORA)
+    buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
+    replay = LocalReplay(buffer, actor="actor-0")
+    publisher = WeightPublisher()
+    subscriber = WeightSubscriber(publisher.endpoints)
+    cfg = ActorConfig(group_size=2, groups_in_flight=2, max_new_tokens=4)
+    actor = Actor(cfg, "actor-0", engine, chat, lambda: make_env("maze", max_steps=6), replay, subscriber)
+    stop = threading.Event()
+    thread = threading.Thread(target=actor.run, args=(stop,))
+    try:
+        publisher.publish(random_adapter(engine, version=0, scale=0.0))
+        thread.start()
+        deadline = time.time() + 120
+        version = 0
+        while time.time() < deadline and len(buffer.queue) < 12:
+            version += 1
+            buffer.set_version(version)
+            publisher.publish(random_adapter(engine, version=version, seed=version))
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        thread.join(60)
+        subscriber.close()
+        publisher.close()
+    groups = list(buffer.queue)
+    assert len(groups) >= 12
+    for g in groups:
+        assert len(g.trajectories) == 2 and len({t.tokens[:20].tobytes() for t in g.trajectories}) == 1
+        for t in g.trajectories:
+            assert t.mask.sum() > 0 and t.finish_reason in ("terminated", "truncated")
+            assert (t.logprobs[t.mask == 0] == 0).all() and (t.logprobs[t.mask == 1] <= 0).all()
+    versions = {int(v) for g in groups for t in g.trajectories for v in t.versions[t.mask == 1]}
+    assert len(versions) > 1 and max(versions) > 0, "the actor never applied a new adapter"
+    assert actor.stats()["adapters_applied"] >= 1

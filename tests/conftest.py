@@ -1,0 +1,40 @@
+"""Shared fixtures. Tests run on CPU, one torch thread per process (the suite shares 2 cores)."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A freshly initialised built-in tiny policy in Hugging Face format."""
+    import torch
+
+    from policy.tiny import save_tiny
+
+    torch.set_num_threads(1)
+    return str(save_tiny(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session")
+def chat(tiny_model):
+    from policy import Chat, load_tokenizer
+
+    return Chat(load_tokenizer(tiny_model))
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip)

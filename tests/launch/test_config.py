@@ -1,0 +1,45 @@
+"""Bad configuration fails at once, with a message that says what to change."""
+
+import subprocess
+import sys
+
+import pytest
+
+from launch.config import Config
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"actors": 0}, "--actors must be at least 1"),
+    ({"learners": 0}, "--learners must be at least 1"),
+    ({"env": "chess"}, "unknown --env 'chess'"),
+    ({"steps": 0}, "--steps"),
+    ({"max_staleness": -1}, "--max-staleness"),
+    ({"learners": 3}, "multiple of --learners"),
+])
+def test_bad_values_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Config(**kwargs)
+
+
+def test_colocate_is_strictly_on_policy():
+    assert Config(colocate=True, max_staleness=8).staleness_bound == 0
+    assert Config(max_staleness=8).staleness_bound == 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--actors", "0"], "--actors must be at least 1"),
+    (["--env", "chess"], "unknown --env"),
+    (["--actor.group-size", "1"], "--actor.group-size"),
+])
+def test_command_line_fails_fast(args, message):
+    run = subprocess.run([sys.executable, "-m", "launch.async", *args], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert message in run.stdout + run.stderr
+
+
+def test_help_lists_the_headline_flags():
+    run = subprocess.run([sys.executable, "-m", "launch.async", "--help"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0
+    for flag in ("--actors", "--learners", "--colocate", "--steps", "--logdir", "--max-staleness",
+                 "--model", "--env", "--seed", "--ray-address", "--learner.lr", "--replay.capacity"):
+        assert flag in run.stdout

@@ -1,0 +1,63 @@
+"""Admission, staleness and sharding rules of the replay buffer (no sockets)."""
+
+import pytest
+
+from replay.buffer import ReplayBuffer
+
+from tests.replay.helpers import make_group
+
+
+def test_capacity_follows_the_areal_formula():
+    buf = ReplayBuffer(groups_per_step=2, max_staleness=1, num_shards=1)
+    # v = 0: capacity = (η + v + 1)·B − (accepted + in_flight) = (1 + 0 + 1)·2 − 0 = 4
+    credits = [buf.grant("a") for _ in range(5)]
+    assert [c is not None for c in credits] == [True] * 4 + [False]
+    for i in range(4):
+        buf.push(make_group(version=0, seed=i, actor="a"))
+    assert buf.capacity == 0  # (2)·2 − (4 + 0)
+    assert len(buf.take(step=0, rank=0)) == 2
+    buf.set_version(1)
+    assert buf.capacity == 2  # (1 + 1 + 1)·2 − (4 + 0)
+
+
+def test_stale_groups_are_dropped_counted_and_make_room():
+    buf = ReplayBuffer(groups_per_step=1, max_staleness=1)
+    buf.push(make_group(version=0, seed=1))
+    buf.push(make_group(version=2, seed=2))
+    buf.set_version(2)  # the v0 group is 2 > η = 1 versions old
+    batch = buf.take(step=2, rank=0)
+    assert [g.version for g in batch] == [2]
+    assert buf.stats.dropped["stale"] == 1 and buf.accepted == 1
+    assert buf.stats.staleness_served[0] == 1
+
+
+def test_two_ranks_get_disjoint_shards_of_one_batch():
+    buf = ReplayBuffer(groups_per_step=4, max_staleness=0, num_shards=2)
+    groups = [make_group(seed=i) for i in range(4)]
+    for g in groups:
+        buf.push(g)
+    a, b = buf.take(0, 1), buf.take(0, 0)
+    assert len(a) == len(b) == 2
+    assert {g.group_id for g in a}.isdisjoint({g.group_id for g in b})
+    assert {g.group_id for g in a + b} == {g.group_id for g in groups}
+    with pytest.raises(ValueError, match="rank"):
+        buf.take(0, 2)
+
+
+def test_duplicates_are_stored_once():
+    buf = ReplayBuffer(groups_per_step=1, max_staleness=0)
+    g = make_group()
+    assert buf.push(g) == "stored" and buf.push(g) == "duplicate"
+    assert len(buf.queue) == 1 and buf.stats.duplicates == 1
+
+
+def test_restarted_actor_releases_its_credits():
+    buf = ReplayBuffer(groups_per_step=2, max_staleness=0)
+    assert buf.grant("a") and buf.grant("a") and buf.grant("a") is None
+    buf.hello("a")
+    assert buf.grant("a") is not None
+
+
+def test_shards_must_divide_the_batch():
+    with pytest.raises(ValueError, match="divide"):
+        ReplayBuffer(groups_per_step=3, max_staleness=0, num_shards=2)

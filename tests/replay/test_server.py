@@ -1,0 +1,103 @@
+"""The replay service over real ZeroMQ sockets."""
+
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from replay.buffer import ReplayBuffer
+from replay.client import ZmqReplayClient
+from replay.server import ReplayServer
+from replay.wire import WireError, pack, unpack
+
+from tests.replay.helpers import make_group
+
+
+@pytest.fixture
+def server():
+    srv = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=1, num_shards=2), "tcp://127.0.0.1:*")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_listens_on_loopback_by_default(server):
+    assert server.endpoint.startswith("tcp://127.0.0.1:")
+
+
+def test_round_trip_credits_push_and_sharded_sample(server):
+    actor = ZmqReplayClient(server.endpoint, actor="actor-0")
+    actor.hello()
+    for _ in range(4):
+        actor.request_credit()
+    got = []
+    while len(got) < 4:
+        got += actor.credits(timeout=5)
+    assert got == [0, 0, 0, 0]
+    groups = [make_group(seed=i) for i in range(4)]
+    assert [actor.push(g) for g in groups] == ["stored"] * 4
+
+    shards = {}
+
+    def learn(rank):
+        shards[rank] = ZmqReplayClient(server.endpoint).sample(step=0, rank=rank, version=0, timeout=10)
+
+    threads = [threading.Thread(target=learn, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    ids = [[g.group_id for g in shards[r]] for r in (0, 1)]
+    assert len(ids[0]) == len(ids[1]) == 2 and set(ids[0]).isdisjoint(ids[1])
+    assert set(ids[0] + ids[1]) == {g.group_id for g in groups}
+    sent = {g.group_id: g for g in groups}
+    for g in shards[0] + shards[1]:
+        np.testing.assert_array_equal(g.trajectories[0].tokens, sent[g.group_id].trajectories[0].tokens)
+
+
+def test_credits_wait_until_the_learner_advances(server):
+    actor = ZmqReplayClient(server.endpoint, actor="a")
+    for _ in range(9):
+        actor.request_credit()
+    got = []
+    for _ in range(20):
+        got += actor.credits(timeout=0.2)
+    assert len(got) == 8  # (η + v + 1)·B = (1 + 0 + 1)·4
+    for i in range(8):
+        actor.push(make_group(seed=i, actor="a"))
+    learner = ZmqReplayClient(server.endpoint)
+    learner.sample(step=0, rank=0, version=0, timeout=5)
+    learner.sample(step=0, rank=1, version=0, timeout=5)
+    learner.sample(step=1, rank=0, version=1, timeout=5)  # version 1 opens B more credits
+    assert actor.credits(timeout=5) == [1]
+
+
+def test_duplicate_push_is_stored_once(server):
+    actor = ZmqReplayClient(server.endpoint, actor="a")
+    g = make_group()
+    assert actor.push(g) == "stored"
+    assert actor.push(g) == "duplicate"
+    stats = actor.stats()
+    assert stats["queue_groups"] == 1 and stats["duplicates"] == 1
+
+
+def test_malformed_frames_get_errors_and_the_server_keeps_serving(server):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    rng = np.random.default_rng(0)
+    bad = [b"", b"\x93\x01\x02", rng.bytes(200), pack("push", id=1, group={"x": 1}),
+           pack("sample", id=2, step=-1, rank=0, version=0), pack("nonsense", id=3),
+           pack("push", id=4, group=make_group().to_wire() | {"group_id": 7})]
+    for frame in bad:
+        sock.send(frame)
+        assert sock.poll(5000)
+        assert unpack(sock.recv())["type"] == "error"
+    sock.send_multipart([b"two", b"frames"])
+    assert sock.poll(5000) and unpack(sock.recv())["type"] == "error"
+    sock.close(0)
+    client = ZmqReplayClient(server.endpoint, actor="a")
+    assert client.push(make_group()) == "stored"
+    assert client.stats()["malformed_frames"] == len(bad) + 1
+    with pytest.raises(WireError, match="rank"):
+        client.sample(step=0, rank=5, version=0, timeout=5)
