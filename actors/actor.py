@@ -94,7 +94,9 @@ class Actor:
         self._lock = threading.Lock()
 
     def _apply_newest(self, block_s: float = 0.0) -> None:
-        adapter = self.weights.poll() if block_s <= 0 else self.weights.wait(block_s)
+        self._apply(self.weights.poll() if block_s <= 0 else self.weights.wait(block_s))
+
+    def _apply(self, adapter) -> None:
         if adapter is not None and adapter.version > self.engine.version:
             self.engine.load_adapter(adapter.version, adapter.tensors)
             with self._lock:
@@ -102,14 +104,12 @@ class Actor:
 
     def run(self, stop: threading.Event, max_groups: int | None = None) -> None:
         self.replay.hello()
-        current = self.weights.latest(timeout=60.0)
-        if current is not None and current.version > self.engine.version:
-            self.engine.load_adapter(current.version, current.tensors)
+        self._apply(self.weights.latest(timeout=60.0))
         for _ in range(self.cfg.groups_in_flight):
             self.replay.request_credit()
         pending: list[int] = []  # credits granted, by learner version
         live: list[_Live] = []
-        pushed = 0
+        pushed, waited = 0, 0.0
         while not stop.is_set() and (max_groups is None or pushed < max_groups):
             self._apply_newest()
             pending += self.replay.credits(timeout=0.0 if live else 0.2)
@@ -119,8 +119,13 @@ class Actor:
                 live.append(self._start_group())
             if not live:
                 if pending:  # credits for weights this actor has not received yet
+                    waited = waited or time.monotonic()
                     self._apply_newest(block_s=0.2)
+                    if time.monotonic() - waited > 2.0:  # a PUB message can be lost: ask
+                        self._apply(self.weights.latest(timeout=5.0))
+                        waited = 0.0
                 continue
+            waited = 0.0
             t0 = time.perf_counter()
             n = turn(self.engine, self.chat, [e for g in live for e in g.episodes], self.params, self.cfg.max_tokens)
             with self._lock:

@@ -12,6 +12,7 @@ imports it with importlib, while `python -m launch.async` runs it as usual.)
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import sys
 import time
@@ -63,15 +64,16 @@ def main(cfg: Config) -> int:
         Replay = ray.remote(num_cpus=1)(ReplayPart)
         Learner = ray.remote(num_cpus=1, max_concurrency=2)(LearnerPart)
         Actor = ray.remote(num_cpus=1, max_concurrency=2)(ActorPart)
-        replay = Replay.remote(cfg)
+        key = secrets.token_bytes(32) if cfg.replay.sign else None  # this run's frame-signing key
+        replay = Replay.remote(cfg, key)
         endpoint = ray.get(replay.address.remote())
         dist_url = f"tcp://{cfg.replay.host}:{_free_port()}"
-        learners = [Learner.remote(cfg, model_path, r, dist_url, endpoint) for r in range(cfg.learners)]
+        learners = [Learner.remote(cfg, model_path, r, dist_url, endpoint, key) for r in range(cfg.learners)]
         weights = ray.get([lr.setup.remote() for lr in learners])[0]
-        actors = [Actor.remote(cfg, model_path, i, endpoint, weights) for i in range(cfg.actors)]
+        actors = [Actor.remote(cfg, model_path, i, endpoint, weights, key) for i in range(cfg.actors)]
         runs = [a.run.remote() for a in actors]
         training = [lr.train.remote() for lr in learners]
-        _monitor(cfg, model_path, board, replay, learners[0], actors, training, weights)
+        _monitor(cfg, model_path, board, replay, learners[0], training, weights, key)
         for a in actors:
             a.stop.remote()
         ray.get(runs, timeout=120)
@@ -88,14 +90,14 @@ def main(cfg: Config) -> int:
         ray.shutdown()
 
 
-def _monitor(cfg, model_path, board, replay, learner0, actors, training, weights) -> None:
+def _monitor(cfg, model_path, board, replay, learner0, training, weights, key) -> None:
     import ray
 
     from launch.monitor import Evaluator, step_scalars
     from replay.weights import WeightSubscriber
 
     evaluator = Evaluator(cfg, model_path)
-    sub = WeightSubscriber(weights)
+    sub = WeightSubscriber(weights, key=key)
     board.eval(0, evaluator.evaluate())
     last_eval, version, last_print, newest = 0, 0, 0.0, None
     rate_t, rate_n = time.time(), 0

@@ -21,12 +21,11 @@ def _threads(n: int) -> None:
 
 
 class ReplayPart:
-    def __init__(self, cfg: Config) -> None:
-        from replay.buffer import ReplayBuffer
+    def __init__(self, cfg: Config, key: bytes | None) -> None:
         from replay.server import ReplayServer
 
-        buffer = ReplayBuffer(cfg.learner.groups_per_step, cfg.staleness_bound, cfg.learners, cfg.replay.capacity)
-        self.server = ReplayServer(buffer, f"tcp://{cfg.replay.host}:{cfg.replay.port or '*'}")
+        buffer = cfg.replay.make_buffer(cfg.learner.groups_per_step, cfg.staleness_bound, cfg.learners)
+        self.server = ReplayServer(buffer, cfg.replay.bind, key=key)
         self.endpoint = self.server.start()
 
     def address(self) -> str:
@@ -40,7 +39,8 @@ class ReplayPart:
 
 
 class LearnerPart:
-    def __init__(self, cfg: Config, model_path: str, rank: int, dist_url: str, replay_endpoint: str) -> None:
+    def __init__(self, cfg: Config, model_path: str, rank: int, dist_url: str, replay_endpoint: str,
+                 key: bytes | None) -> None:
         import torch
 
         from learner.trainer import Learner
@@ -50,8 +50,8 @@ class LearnerPart:
         torch.manual_seed(cfg.seed)  # same adapter initialisation on every rank
         self.cfg = cfg
         self.learner = Learner(cfg.learner, model_path, rank, cfg.learners, dist_url,
-                               ZmqReplayClient(replay_endpoint), temperature=cfg.actor.temperature,
-                               host=cfg.replay.host)
+                               ZmqReplayClient(replay_endpoint, key=key), temperature=cfg.actor.temperature,
+                               host=cfg.replay.host, key=key)
 
     def setup(self):
         return self.learner.setup()
@@ -74,7 +74,7 @@ class LearnerPart:
 
 class ActorPart:
     def __init__(self, cfg: Config, model_path: str, index: int, replay_endpoint: str,
-                 weight_endpoints: tuple[str, str]) -> None:
+                 weight_endpoints: tuple[str, str], key: bytes | None) -> None:
         from actors.actor import Actor
         from actors.engine import make_engine
         from envs import make_env
@@ -88,8 +88,8 @@ class ActorPart:
                              seed=cfg.seed * 1000 + index)
         kwargs = cfg.env_kwargs()
         self.actor = Actor(cfg.actor, name, engine, Chat(load_tokenizer(model_path)),
-                           lambda: make_env(cfg.env, **kwargs), ZmqReplayClient(replay_endpoint, actor=name),
-                           WeightSubscriber(weight_endpoints), seed=cfg.seed * 1000 + index)
+                           lambda: make_env(cfg.env, **kwargs), ZmqReplayClient(replay_endpoint, actor=name, key=key),
+                           WeightSubscriber(weight_endpoints, key=key), seed=cfg.seed * 1000 + index)
         self._stop = threading.Event()
 
     def run(self) -> None:

@@ -79,9 +79,10 @@ class Learner:
     """
 
     def __init__(self, cfg: LearnerConfig, model_path: str, rank: int, world: int, dist_url: str,
-                 replay, temperature: float = 1.0, host: str = "127.0.0.1") -> None:
+                 replay, temperature: float = 1.0, host: str = "127.0.0.1", key: bytes | None = None) -> None:
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
         self.dist_url, self.replay, self.temperature, self.host = dist_url, replay, temperature, host
+        self.key = key
         self.version = 0
         self.publisher = None
         self.metrics: list[dict] = []
@@ -116,7 +117,7 @@ class Learner:
         if self.rank == 0:
             from replay.weights import WeightPublisher
 
-            self.publisher = WeightPublisher(self.host)
+            self.publisher = WeightPublisher(self.host, key=self.key)
         self._publish()  # version 0: the identity adapter, so late joiners can ask for it
         return self.publisher.endpoints if self.publisher else None
 
@@ -132,7 +133,8 @@ class Learner:
         from learner.losses import policy_loss, token_logprobs
 
         t0 = time.perf_counter()
-        groups = self.replay.sample(self.version, self.rank, self.version)
+        step = self.version
+        groups = self.replay.sample(step, self.rank, self.version)
         t1 = time.perf_counter()
         batch = collate(groups, self.version, self.pad_id, self.cfg.normalize_std)
         self.model.train()
@@ -162,6 +164,7 @@ class Learner:
         t2 = time.perf_counter()
         self.version += 1
         adapter_bytes = self._publish()
+        self.replay.ack(step, self.rank)  # trained on: replay may forget these groups
         t3 = time.perf_counter()
         local = {
             **parts, "grad_norm": grad_norm,

@@ -2,6 +2,8 @@
 
 Pure bookkeeping, no sockets: `replay/server.py` puts it behind ZeroMQ and
 `LocalReplay` (replay/client.py) drives it in-process for tests and debugging.
+Groups are held as the validated msgpack bytes they arrived as (`Entry.blob`),
+so serving them costs no re-encoding.
 
 Admission (AReaL): an actor needs a credit to start a group. With staleness
 bound η, B groups per learner step, learner version v, `accepted` groups stored
@@ -11,13 +13,16 @@ or already served (dropped ones excluded, so a drop re-opens room), and
     capacity = (η + v + 1)·B − (accepted + in_flight)
 
 so no group can be started that would be older than η when its step comes.
-Storage is also bounded (`capacity_groups`): when full, credits wait.
+Storage is also bounded, in groups and in bytes: when full, credits wait.
+Nothing is ever dropped for lack of room.
 
-Sampling: the batch of step s is the first B stored groups (FIFO) whose
-staleness v − version ≤ η; older ones are dropped and counted. With N learner
-ranks the batch is cut into N disjoint shards of B/N groups; the batch for a
-step is assembled once, whichever rank asks first, so no group reaches two
-ranks.
+Sampling: the batch of step s is B stored groups whose staleness v − version
+≤ η, oldest first (FIFO) or newest first; older ones are dropped and counted.
+With N learner ranks the batch is cut into N disjoint shards of B/N groups; the
+batch is assembled once, whichever rank asks first, so no group reaches two
+ranks. A shard stays assigned until its rank acknowledges it (after the
+optimizer step); asking again for the same step returns the same shard, so a
+learner that restarts mid-step loses nothing and double-counts nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +30,24 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from replay.wire import Group
+
+
+@dataclass
+class Entry:
+    """A stored group: what sampling needs, plus the bytes to serve."""
+
+    group_id: str
+    version: int
+    rewards: np.ndarray
+    blob: bytes
+    actor: str = ""
+
+    @classmethod
+    def of(cls, group: Group, blob: bytes) -> Entry:
+        return cls(group.group_id, group.version, group.rewards, blob, group.actor)
 
 
 @dataclass
@@ -41,6 +63,7 @@ class ReplayStats:
     received_trajectories: int = 0
     received_bytes: int = 0
     served_groups: int = 0
+    served_bytes: int = 0
     duplicates: int = 0
     dropped: Counter = field(default_factory=Counter)
     staleness_served: Counter = field(default_factory=Counter)
@@ -50,27 +73,46 @@ class ReplayStats:
     def to_dict(self) -> dict:
         return {"received_groups": self.received_groups, "received_trajectories": self.received_trajectories,
                 "received_bytes": self.received_bytes, "served_groups": self.served_groups,
-                "duplicates": self.duplicates, "dropped": dict(self.dropped),
-                "staleness_served": {str(k): v for k, v in self.staleness_served.items()},
+                "served_bytes": self.served_bytes, "duplicates": self.duplicates, "dropped": dict(self.dropped),
+                "staleness_served": {str(k): v for k, v in sorted(self.staleness_served.items())},
                 "credits_granted": self.credits_granted, "malformed_frames": self.malformed_frames}
 
 
 class ReplayBuffer:
     def __init__(self, groups_per_step: int, max_staleness: int, num_shards: int = 1,
-                 capacity_groups: int = 4096) -> None:
+                 capacity_groups: int = 4096, capacity_bytes: int = 4 << 30, order: str = "fifo",
+                 drop_zero_variance: bool = False, log=None) -> None:
         if groups_per_step < 1 or max_staleness < 0 or num_shards < 1:
             raise ValueError("groups_per_step ≥ 1, max_staleness ≥ 0 and num_shards ≥ 1 are required")
         if groups_per_step % num_shards:
             raise ValueError(f"groups per step ({groups_per_step}) must divide evenly among "
                              f"{num_shards} learner ranks")
-        self.B, self.eta, self.shards, self.capacity_groups = groups_per_step, max_staleness, num_shards, capacity_groups
+        if order not in ("fifo", "newest"):
+            raise ValueError(f"--replay.order must be 'fifo' or 'newest', got {order!r}")
+        self.B, self.eta, self.shards = groups_per_step, max_staleness, num_shards
+        self.capacity_groups, self.capacity_bytes, self.order = capacity_groups, capacity_bytes, order
+        self.drop_zero_variance = drop_zero_variance
+        self.log = log
         self.version = 0
         self.accepted = 0
+        self.stored_bytes = 0
         self.in_flight: Counter = Counter()  # actor -> credits outstanding
-        self.queue: deque[Group] = deque()
+        self.queue: deque[Entry] = deque()
         self.seen: set[str] = set()
-        self.batches: dict[int, list[list[Group] | None]] = {}  # step -> shard per rank (None once taken)
+        self.batches: dict[int, list[list[Entry] | None]] = {}  # step -> shard per rank (None once acked)
         self.stats = ReplayStats()
+        if log is not None:
+            self._recover()
+
+    def _recover(self) -> None:
+        from replay.wire import decode_group
+
+        blobs, self.seen = self.log.recover()
+        for blob in blobs:
+            entry = Entry.of(decode_group(blob), blob)
+            self.queue.append(entry)
+            self.stored_bytes += len(blob)
+        self.accepted = len(self.queue)
 
     # -- actors -------------------------------------------------------------
     def hello(self, actor: str) -> None:
@@ -82,7 +124,7 @@ class ReplayBuffer:
         flying = sum(self.in_flight.values())
         by_staleness = (self.eta + self.version + 1) * self.B - (self.accepted + flying)
         by_storage = self.capacity_groups - (len(self.queue) + flying)
-        return min(by_staleness, by_storage)
+        return min(by_staleness, by_storage) if self.stored_bytes < self.capacity_bytes else 0
 
     def grant(self, actor: str) -> Credit | None:
         """A credit for `actor` if capacity allows, else None (the caller waits)."""
@@ -92,27 +134,35 @@ class ReplayBuffer:
         self.stats.credits_granted += 1
         return Credit(actor, self.version)
 
-    def push(self, group: Group, nbytes: int = 0) -> str:
-        """Store a group; returns "stored" or "duplicate" (already seen: stored once)."""
-        if self.in_flight[group.actor] > 0:
-            self.in_flight[group.actor] -= 1
-        if group.group_id in self.seen:
+    def push(self, entry: Entry, trajectories: int = 0) -> str:
+        """Store a group: "stored", "duplicate" (seen before: stored once) or "filtered"
+        (zero reward variance with the dynamic-sampling filter on)."""
+        if self.in_flight[entry.actor] > 0:
+            self.in_flight[entry.actor] -= 1
+        if entry.group_id in self.seen:
             self.stats.duplicates += 1
             return "duplicate"
-        self.seen.add(group.group_id)
-        self.queue.append(group)
+        self.seen.add(entry.group_id)
+        if self.drop_zero_variance and np.ptp(entry.rewards) == 0:
+            self.stats.dropped["zero_variance"] += 1
+            return "filtered"
+        if self.log is not None:
+            self.log.stored(entry.group_id, entry.blob)
+        self.queue.append(entry)
         self.accepted += 1
+        self.stored_bytes += len(entry.blob)
         self.stats.received_groups += 1
-        self.stats.received_trajectories += len(group.trajectories)
-        self.stats.received_bytes += nbytes
+        self.stats.received_trajectories += trajectories
+        self.stats.received_bytes += len(entry.blob)
         return "stored"
 
     # -- learners -----------------------------------------------------------
     def set_version(self, version: int) -> None:
         self.version = max(self.version, version)
 
-    def take(self, step: int, rank: int) -> list[Group] | None:
-        """Rank `rank`'s shard of step `step`'s batch, or None while too few fresh groups are stored."""
+    def take(self, step: int, rank: int) -> list[Entry] | None:
+        """Rank `rank`'s shard of step `step`'s batch (the same one until acknowledged),
+        or None while too few fresh groups are stored."""
         if not 0 <= rank < self.shards:
             raise ValueError(f"rank {rank} out of range for {self.shards} learner ranks")
         if step not in self.batches:
@@ -121,32 +171,50 @@ class ReplayBuffer:
                 return None
             k = self.B // self.shards
             self.batches[step] = [batch[i * k:(i + 1) * k] for i in range(self.shards)]
-        shards = self.batches[step]
-        shard = shards[rank]
+        shard = self.batches[step][rank]
         if shard is None:
-            raise ValueError(f"rank {rank} already took its shard of step {step}")
-        shards[rank] = None
-        if all(s is None for s in shards):
-            del self.batches[step]
+            raise ValueError(f"rank {rank} already acknowledged its shard of step {step}")
         return shard
 
-    def _assemble(self) -> list[Group] | None:
-        fresh: deque[Group] = deque()
-        for g in self.queue:
-            if self.version - g.version > self.eta:
+    def ack(self, step: int, rank: int) -> list[str]:
+        """The rank trained on its shard of `step`: it is consumed for good. Returns its group ids."""
+        shards = self.batches.get(step)
+        if shards is None or not 0 <= rank < self.shards or shards[rank] is None:
+            return []
+        shard, shards[rank] = shards[rank], None
+        if all(s is None for s in shards):
+            del self.batches[step]
+        ids = [e.group_id for e in shard]
+        for e in shard:
+            self.stored_bytes -= len(e.blob)
+        if self.log is not None:
+            self.log.consumed(ids)
+        return ids
+
+    def _assemble(self) -> list[Entry] | None:
+        fresh: deque[Entry] = deque()
+        for e in self.queue:
+            if self.version - e.version > self.eta:
                 self.accepted -= 1  # a drop re-opens room for a fresh group
+                self.stored_bytes -= len(e.blob)
                 self.stats.dropped["stale"] += 1
+                if self.log is not None:
+                    self.log.consumed([e.group_id])
             else:
-                fresh.append(g)
+                fresh.append(e)
         self.queue = fresh
         if len(fresh) < self.B:
             return None
-        batch = [fresh.popleft() for _ in range(self.B)]
-        for g in batch:
-            self.stats.staleness_served[self.version - g.version] += 1
+        pop = fresh.popleft if self.order == "fifo" else fresh.pop
+        batch = [pop() for _ in range(self.B)]
+        for e in batch:
+            self.stats.staleness_served[self.version - e.version] += 1
+            self.stats.served_bytes += len(e.blob)
         self.stats.served_groups += len(batch)
         return batch
 
     def snapshot(self) -> dict:
-        return {"version": self.version, "queue_groups": len(self.queue), "accepted": self.accepted,
-                "in_flight": sum(self.in_flight.values()), "capacity": self.capacity, **self.stats.to_dict()}
+        return {"version": self.version, "queue_groups": len(self.queue), "stored_bytes": self.stored_bytes,
+                "accepted": self.accepted, "in_flight": sum(self.in_flight.values()), "capacity": self.capacity,
+                "shards_unacked": sum(s is not None for v in self.batches.values() for s in v),
+                **self.stats.to_dict()}

@@ -3,6 +3,11 @@
 Two small protocols mark the process boundary; `ZmqReplayClient` speaks to a
 `ReplayServer` over a DEALER socket and `LocalReplay` drives a `ReplayBuffer`
 in the same process (tests, debugging, a single-process run).
+
+Delivery: every push waits for its acknowledgement and is resent (after
+reconnecting) until one comes; the group id makes resending idempotent. A
+request parked at the server (a credit, a batch) is re-sent when the server's
+epoch changes, i.e. when the replay process was restarted and forgot it.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from typing import Protocol
 
 import zmq
 
-from replay.buffer import ReplayBuffer
-from replay.wire import Group, WireError, pack, unpack
+from replay.buffer import Entry, ReplayBuffer
+from replay.wire import Group, WireError, decode_group, encode_group, pack, unpack
+
+REPLIES = ("ok", "credit", "ack", "batch", "stats", "error")
 
 
 class ReplayUnavailable(RuntimeError):
@@ -44,7 +51,7 @@ class ActorReplay(Protocol):
         """Credits granted since the last call (their learner versions); waits up to `timeout` for one."""
 
     def push(self, group: Group) -> str:
-        """Store `group`; returns "stored" or "duplicate". Retries until acknowledged."""
+        """Store `group`; returns "stored", "duplicate" or "filtered". Retries until acknowledged."""
 
 
 class LearnerReplay(Protocol):
@@ -55,10 +62,15 @@ class LearnerReplay(Protocol):
         for step in range(steps):
             groups = replay.sample(step, rank, version)   # this rank's shard of the step's batch
             ...train, publish adapter version + 1...
+            replay.ack(step, rank)                        # consumed: never served again
     """
 
     def sample(self, step: int, rank: int, version: int, timeout: float | None = None) -> list[Group]:
-        """Block until step `step`'s batch is ready; return rank `rank`'s disjoint shard of it."""
+        """Block until step `step`'s batch is ready; return rank `rank`'s disjoint shard of it
+        (the same shard again if asked again before `ack`)."""
+
+    def ack(self, step: int, rank: int) -> None:
+        """The shard of `step` has been trained on."""
 
     def stats(self) -> dict:
         """Counters of the service (queue depth, groups in/out/dropped, staleness, credit waits)."""
@@ -67,11 +79,15 @@ class LearnerReplay(Protocol):
 class ZmqReplayClient:
     """Both sides over ZeroMQ. One client per thread (ZeroMQ sockets are not thread-safe)."""
 
-    def __init__(self, endpoint: str, actor: str = "", timeout: float = 30.0) -> None:
-        self.endpoint, self.actor, self.timeout = endpoint, actor, timeout
+    def __init__(self, endpoint: str, actor: str = "", key: bytes | None = None, timeout: float = 30.0,
+                 check_every: float = 5.0) -> None:
+        self.endpoint, self.actor, self.key, self.timeout = endpoint, actor, key, timeout
+        self.check_every = check_every
         self._ctx = zmq.Context.instance()
         self._ids = itertools.count(1)
         self._granted: list[int] = []
+        self._asked = 0  # credits requested and not yet granted
+        self._epoch: str | None = None
         self._connect()
 
     def _connect(self) -> None:
@@ -84,35 +100,58 @@ class ZmqReplayClient:
 
     def _send(self, msg_type: str, **fields) -> int:
         rid = next(self._ids)
-        self._sock.send(pack(msg_type, id=rid, **fields))
+        self._sock.send(pack(msg_type, key=self.key, id=rid, **fields))
         return rid
 
     def _recv(self, timeout: float) -> dict | None:
         if not self._sock.poll(int(timeout * 1000)):
             return None
-        msg = unpack(self._sock.recv(), ("ok", "credit", "ack", "batch", "stats", "error"))
+        msg = unpack(self._sock.recv(), REPLIES, key=self.key)
+        epoch = msg.get("epoch")
+        if self._epoch is not None and epoch != self._epoch:
+            self._restarted()
+        self._epoch = epoch
         if msg["type"] == "credit":
             self._granted.append(int(msg["version"]))
+            self._asked = max(self._asked - 1, 0)
         return msg
 
-    def _call(self, rid: int, timeout: float | None) -> dict:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _restarted(self) -> None:
+        """The server is a new process: requests parked at the old one are gone."""
+        if self.actor:
+            self._send("hello", actor=self.actor)
+            for _ in range(self._asked):
+                self._send("credit", actor=self.actor)
+
+    def _call(self, msg_type: str, timeout: float | None, **fields) -> dict:
+        rid = self._send(msg_type, **fields)
+        start = last_check = time.monotonic()
+        ping, epoch_before = None, None
         while True:
-            left = 1.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise ReplayUnavailable(f"no reply from replay at {self.endpoint} within {timeout:.0f}s")
-            msg = self._recv(min(left, 1.0))
-            if msg is None or msg.get("id") != rid:
+            now = time.monotonic()
+            if timeout is not None and now - start > timeout:
+                raise ReplayUnavailable(f"no {msg_type} reply from replay at {self.endpoint} within {timeout:.0f}s")
+            if now - last_check > self.check_every:
+                # Still parked? Ping: a changed epoch means the server restarted and forgot us.
+                ping, epoch_before, last_check = self._send("ping"), self._epoch, now
+            msg = self._recv(0.5)
+            if msg is None:
                 continue
-            if msg["type"] == "error":
-                raise WireError(f"replay refused the request: {msg.get('reason')}")
-            return msg
+            if msg.get("id") == rid:
+                if msg["type"] == "error":
+                    raise WireError(f"replay refused the request: {msg.get('reason')}")
+                return msg
+            if msg.get("id") == ping and ping is not None:
+                if epoch_before is not None and msg.get("epoch") != epoch_before:
+                    rid = self._send(msg_type, **fields)
+                ping = None
 
     # -- actor side ---------------------------------------------------------
     def hello(self) -> None:
-        self._call(self._send("hello", actor=self.actor), self.timeout)
+        self._call("hello", self.timeout, actor=self.actor)
 
     def request_credit(self) -> None:
+        self._asked += 1
         self._send("credit", actor=self.actor)
 
     def credits(self, timeout: float) -> list[int]:
@@ -125,27 +164,29 @@ class ZmqReplayClient:
 
     def push(self, group: Group) -> str:
         group.actor = group.actor or self.actor
-        payload = group.to_wire()
-        for attempt in range(1000):
+        blob = encode_group(group)
+        for _ in range(1000):
             try:
-                return self._call(self._send("push", group=payload), self.timeout)["status"]
+                return self._call("push", self.timeout, group=blob)["status"]
             except ReplayUnavailable:
-                # The server went away or the frame was lost: reconnect and resend; the
-                # group id makes the retry idempotent.
+                # Lost frame or a dead server: reconnect and resend; the group id makes it idempotent.
                 self.close()
                 self._connect()
         raise ReplayUnavailable("push was never acknowledged")
 
     # -- learner side -------------------------------------------------------
     def sample(self, step: int, rank: int, version: int, timeout: float | None = None) -> list[Group]:
-        msg = self._call(self._send("sample", step=step, rank=rank, version=version), timeout)
+        msg = self._call("sample", timeout, step=step, rank=rank, version=version)
         groups = msg.get("groups")
         if not isinstance(groups, list):
             raise WireError("batch reply without groups")
-        return [Group.from_wire(g) for g in groups]
+        return [decode_group(g) for g in groups]
+
+    def ack(self, step: int, rank: int) -> None:
+        self._call("ack", self.timeout, step=step, rank=rank)
 
     def stats(self) -> dict:
-        return self._call(self._send("stats"), self.timeout)["stats"]
+        return self._call("stats", self.timeout)["stats"]
 
 
 class LocalReplay:
@@ -181,7 +222,7 @@ class LocalReplay:
     def push(self, group: Group) -> str:
         group.actor = group.actor or self.actor
         with self._cond:
-            status = self.buffer.push(group)
+            status = self.buffer.push(Entry.of(group, encode_group(group)), len(group.trajectories))
             self._cond.notify_all()
             return status
 
@@ -195,7 +236,12 @@ class LocalReplay:
                 if left is not None and left <= 0:
                     raise ReplayUnavailable(f"step {step}'s batch was not ready within {timeout}s")
                 self._cond.wait(left)
-            return shard
+            return [decode_group(e.blob) for e in shard]
+
+    def ack(self, step: int, rank: int) -> None:
+        with self._cond:
+            self.buffer.ack(step, rank)
+            self._cond.notify_all()
 
     def stats(self) -> dict:
         with self._cond:

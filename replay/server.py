@@ -1,26 +1,37 @@
 """The replay service: a ReplayBuffer behind one ZeroMQ ROUTER socket.
 
-Requests and replies are wire frames (replay/wire.py). A request that cannot be
-answered yet — a credit while capacity is exhausted, a batch while too few
-fresh groups are stored — is parked and answered as soon as the state allows,
-so clients block on their own socket instead of polling. A malformed frame gets
-an error reply and a count; the server keeps serving everyone else.
+Requests and replies are wire frames (replay/wire.py), signed with the run's
+key when there is one. A request that cannot be answered yet — a credit while
+capacity is exhausted, a batch while too few fresh groups are stored — is
+parked and answered as soon as the state allows, so clients block on their own
+socket instead of polling. Every reply carries the server's `epoch` (random per
+process): a client that sees it change knows parked requests were lost with a
+restart and asks again.
 
-Run standalone: `python -m replay.server --groups-per-step 16 --bind tcp://127.0.0.1:5555`.
+Bad input never takes the service down: a frame that is oversized, unsigned,
+tampered with, not msgpack or off-schema gets an error reply (where a reply is
+possible) and a count, and the server goes on serving everyone else. Replies go
+out with ROUTER_MANDATORY, so a reply to a peer that is gone raises instead of
+vanishing silently; data a learner did not receive stays assigned to its step
+and is served again when it asks.
+
+Run standalone: `python -m replay.server --help`.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
 
 import zmq
 
-from replay.buffer import ReplayBuffer
-from replay.wire import Group, WireError, pack, unpack
+from replay.buffer import Entry, ReplayBuffer
+from replay.wire import MAX_FRAME, WireError, decode_group, pack, unpack
 
-REQUESTS = ("hello", "credit", "push", "sample", "stats")
+REQUESTS = ("hello", "credit", "push", "sample", "ack", "stats", "ping")
 
 
 @dataclass
@@ -33,12 +44,39 @@ class ReplayConfig:
     """TCP port (0 picks a free one)."""
     capacity: int = 1024
     """Most groups stored or in flight at once; when full, actors wait for credits."""
+    capacity_mb: int = 4096
+    """Most megabytes of stored groups; when full, actors wait for credits."""
+    order: str = "fifo"
+    """Sampling order among fresh groups: "fifo" (oldest first) or "newest"."""
+    drop_zero_variance: bool = False
+    """Dynamic sampling: drop (and count) groups whose rewards are all equal; they carry no GRPO signal."""
+    log_dir: str | None = None
+    """Append-only log directory: stored groups survive a replay restart (off by default)."""
+    fsync: str = "interval"
+    """When the log is fsynced: "always" (before every ack), "interval" (about once a second), "never"."""
+    sign: bool = True
+    """Authenticate every frame with HMAC-SHA256 under a per-run key (the launcher makes and hands it out)."""
 
     def __post_init__(self) -> None:
-        if self.capacity < 1:
-            raise ValueError(f"--replay.capacity must be at least 1, got {self.capacity}")
+        if self.capacity < 1 or self.capacity_mb < 1:
+            raise ValueError("--replay.capacity and --replay.capacity-mb must be at least 1")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--replay.port must be in [0, 65535], got {self.port}")
+        if self.order not in ("fifo", "newest"):
+            raise ValueError(f"--replay.order must be 'fifo' or 'newest', got {self.order!r}")
+        if self.fsync not in ("always", "interval", "never"):
+            raise ValueError(f"--replay.fsync must be always, interval or never, got {self.fsync!r}")
+
+    def make_buffer(self, groups_per_step: int, max_staleness: int, learners: int) -> ReplayBuffer:
+        from replay.log import ReplayLog
+
+        log = ReplayLog(self.log_dir, fsync=self.fsync) if self.log_dir else None
+        return ReplayBuffer(groups_per_step, max_staleness, learners, self.capacity, self.capacity_mb << 20,
+                            self.order, self.drop_zero_variance, log)
+
+    @property
+    def bind(self) -> str:
+        return f"tcp://{self.host}:{self.port or '*'}"
 
 
 class ReplayServer:
@@ -46,15 +84,15 @@ class ReplayServer:
 
     Usage::
 
-        server = ReplayServer(ReplayBuffer(16, max_staleness=2), "tcp://127.0.0.1:*")
+        server = ReplayServer(ReplayBuffer(16, max_staleness=2), "tcp://127.0.0.1:*", key=key)
         endpoint = server.start()          # a background thread serves from here on
         ...
         server.stop()
     """
 
-    def __init__(self, buffer: ReplayBuffer, bind: str) -> None:
-        self.buffer = buffer
-        self.bind = bind
+    def __init__(self, buffer: ReplayBuffer, bind: str, key: bytes | None = None) -> None:
+        self.buffer, self.bind, self.key = buffer, bind, key
+        self.epoch = secrets.token_hex(8)
         self.endpoint = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -63,7 +101,8 @@ class ReplayServer:
         self._credit_waiters: list[tuple[bytes, int, str, float]] = []  # (peer, request id, actor, since)
         self._sample_waiters: list[tuple[bytes, int, int, int]] = []    # (peer, request id, step, rank)
         self.credit_wait_s = 0.0
-        self.lock = threading.Lock()  # guards buffer snapshots read from other threads
+        self.lost_replies = 0
+        self.lock = threading.Lock()  # guards the buffer against snapshot() from other threads
 
     def start(self) -> str:
         self._thread = threading.Thread(target=self._serve, name="replay-server", daemon=True)
@@ -77,18 +116,22 @@ class ReplayServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
+        if self.buffer.log is not None:
+            self.buffer.log.close()
 
     def snapshot(self) -> dict:
         with self.lock:
             return {**self.buffer.snapshot(), "credit_wait_s": self.credit_wait_s,
-                    "credit_waiters": len(self._credit_waiters)}
+                    "credit_waiters": len(self._credit_waiters), "lost_replies": self.lost_replies}
 
     # -- the loop -----------------------------------------------------------
     def _serve(self) -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + 1024)  # oversized frames are cut off by ZeroMQ itself
+        sock.setsockopt(zmq.SNDTIMEO, 1000)
         try:
             sock.bind(self.bind)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -111,44 +154,58 @@ class ReplayServer:
             sock.close(0)
             ctx.term()
 
-    def _reply(self, sock, peer: bytes, rid: int, msg_type: str, **fields) -> None:
-        sock.send_multipart([peer, pack(msg_type, id=rid, **fields)])
+    def _reply(self, sock, peer: bytes, rid: int, msg_type: str, **fields) -> bool:
+        try:
+            sock.send_multipart([peer, pack(msg_type, key=self.key, id=rid, epoch=self.epoch, **fields)])
+            return True
+        except zmq.ZMQError:  # the peer is gone (or stuck): its request is dropped, never its data
+            self.lost_replies += 1
+            return False
 
     def _handle(self, sock, frames: list[bytes]) -> None:
         if len(frames) != 2:
             self.buffer.stats.malformed_frames += 1
-            if len(frames) >= 1:
+            if frames:
                 self._reply(sock, frames[0], -1, "error", reason="expected exactly one frame per request")
             return
         peer, frame = frames
         rid = -1
         try:
-            msg = unpack(frame, REQUESTS)
+            msg = unpack(frame, REQUESTS, key=self.key)
             rid = msg.get("id", -1)
-            if not isinstance(rid, int):
+            if not isinstance(rid, int) or isinstance(rid, bool):
+                rid = -1
                 raise WireError("request id must be an integer")
-            self._dispatch(sock, peer, rid, msg, len(frame))
+            self._dispatch(sock, peer, rid, msg)
         except WireError as exc:
             self.buffer.stats.malformed_frames += 1
-            self._reply(sock, peer, rid if isinstance(rid, int) else -1, "error", reason=str(exc))
-        except ValueError as exc:  # well-formed but refused (bad rank, shard taken twice, ...)
+            self._reply(sock, peer, rid, "error", reason=str(exc))
+        except ValueError as exc:  # well-formed but refused (bad rank, ...)
             self._reply(sock, peer, rid, "error", reason=str(exc))
 
-    def _dispatch(self, sock, peer: bytes, rid: int, msg: dict, nbytes: int) -> None:
+    def _dispatch(self, sock, peer: bytes, rid: int, msg: dict) -> None:
         kind = msg["type"]
         if kind == "hello":
             self.buffer.hello(_str(msg, "actor"))
             self._reply(sock, peer, rid, "ok")
+        elif kind == "ping":
+            self._reply(sock, peer, rid, "ok")
         elif kind == "credit":
             self._credit_waiters.append((peer, rid, _str(msg, "actor"), time.monotonic()))
         elif kind == "push":
-            group = Group.from_wire(msg.get("group"))
-            status = self.buffer.push(group, nbytes)
+            blob = msg.get("group")
+            group = decode_group(blob)
+            status = self.buffer.push(Entry.of(group, blob), len(group.trajectories))
             self._reply(sock, peer, rid, "ack", group_id=group.group_id, status=status)
         elif kind == "sample":
             step, rank, version = (_int(msg, k) for k in ("step", "rank", "version"))
+            if rank >= self.buffer.shards:
+                raise ValueError(f"rank {rank} out of range for {self.buffer.shards} learner ranks")
             self.buffer.set_version(version)
             self._sample_waiters.append((peer, rid, step, rank))
+        elif kind == "ack":
+            ids = self.buffer.ack(_int(msg, "step"), _int(msg, "rank"))
+            self._reply(sock, peer, rid, "ok", consumed=len(ids))
         elif kind == "stats":
             self._reply(sock, peer, rid, "stats", stats={**self.buffer.snapshot(),
                                                           "credit_wait_s": self.credit_wait_s})
@@ -164,9 +221,9 @@ class ReplayServer:
                 continue
             if shard is None:
                 still.append((peer, rid, step, rank))
-            else:
+            else:  # if this reply is lost, the shard stays assigned and is served again on request
                 self._reply(sock, peer, rid, "batch", step=step, version=self.buffer.version,
-                            groups=[g.to_wire() for g in shard])
+                            groups=[e.blob for e in shard])
         self._sample_waiters = still
         while self._credit_waiters:
             peer, rid, actor, since = self._credit_waiters[0]
@@ -175,7 +232,8 @@ class ReplayServer:
                 break
             self._credit_waiters.pop(0)
             self.credit_wait_s += time.monotonic() - since
-            self._reply(sock, peer, rid, "credit", version=credit.version)
+            if not self._reply(sock, peer, rid, "credit", version=credit.version):
+                self.buffer.in_flight[actor] -= 1  # never delivered: give it back
 
 
 def _str(msg: dict, key: str) -> str:
@@ -192,25 +250,31 @@ def _int(msg: dict, key: str) -> int:
     return val
 
 
+def key_from_env() -> bytes | None:
+    """The run key from $TANDEM_KEY (hex), for parts started by hand."""
+    value = os.environ.get("TANDEM_KEY")
+    return bytes.fromhex(value) if value else None
+
+
 def main() -> None:
     import tyro
 
     @dataclass
     class Args:
-        """Run the Tandem replay service on its own."""
+        """Run the Tandem replay service on its own. Frames are signed with $TANDEM_KEY (hex) if set."""
 
         groups_per_step: int = 16
         """Groups per learner step (B)."""
-        max_staleness: int = 2
+        max_staleness: int = 4
         """Staleness bound η in policy versions."""
         learners: int = 1
         """Learner ranks: each step's batch is cut into this many shards."""
         replay: ReplayConfig = ReplayConfig()
 
     args = tyro.cli(Args)
-    buffer = ReplayBuffer(args.groups_per_step, args.max_staleness, args.learners, args.replay.capacity)
-    server = ReplayServer(buffer, f"tcp://{args.replay.host}:{args.replay.port or '*'}")
-    print(f"replay serving on {server.start()}", flush=True)
+    buffer = args.replay.make_buffer(args.groups_per_step, args.max_staleness, args.learners)
+    server = ReplayServer(buffer, args.replay.bind, key=key_from_env())
+    print(f"replay serving on {server.start()} ({len(buffer.queue)} groups recovered)", flush=True)
     try:
         while True:
             time.sleep(10)

@@ -6,7 +6,8 @@ binds a PUB socket (every subscriber gets each new version as it is published)
 and a ROUTER socket that answers "latest" requests: a PUB socket drops messages
 to late joiners, so a new or restarted actor asks for the current adapter when
 it starts. Subscribers keep only the newest version (CONFLATE): an actor that
-fell behind skips straight to the newest weights.
+fell behind skips straight to the newest weights. With the run's key, adapter
+frames and "latest" requests are signed (HMAC-SHA256) and checked.
 """
 
 from __future__ import annotations
@@ -28,18 +29,18 @@ class Adapter:
     tensors: dict  # name -> torch.Tensor (PEFT state-dict names)
 
 
-def encode_adapter(adapter: Adapter) -> bytes:
+def encode_adapter(adapter: Adapter, key: bytes | None = None) -> bytes:
     from safetensors.torch import save
 
     blob = save({k: v.detach().contiguous().cpu() for k, v in adapter.tensors.items()})
-    return pack("adapter", version=adapter.version, base_model=adapter.base_model,
+    return pack("adapter", key=key, version=adapter.version, base_model=adapter.base_model,
                 config=adapter.config, tensors=blob)
 
 
-def decode_adapter(frame: bytes) -> Adapter:
+def decode_adapter(frame: bytes, key: bytes | None = None) -> Adapter:
     from safetensors.torch import load
 
-    msg = unpack(frame, ("adapter",))
+    msg = unpack(frame, ("adapter",), key=key)
     version, base, config, blob = (msg.get(k) for k in ("version", "base_model", "config", "tensors"))
     if not isinstance(version, int) or version < 0 or not isinstance(base, str) \
             or not isinstance(config, dict) or not isinstance(blob, bytes):
@@ -72,7 +73,9 @@ class WeightSource(Protocol):
 class WeightPublisher:
     """Learner rank 0's end. `publish` is called from one thread; a helper thread answers `latest`."""
 
-    def __init__(self, host: str = "127.0.0.1", pub_port: int = 0, req_port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", pub_port: int = 0, req_port: int = 0,
+                 key: bytes | None = None) -> None:
+        self.key = key
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -89,7 +92,7 @@ class WeightPublisher:
         self._thread.start()
 
     def publish(self, adapter: Adapter) -> int:
-        frame = encode_adapter(adapter)
+        frame = encode_adapter(adapter, self.key)
         self._latest = frame
         self._pub.send(frame)
         return len(frame)
@@ -99,8 +102,13 @@ class WeightPublisher:
             if not self._router.poll(100):
                 continue
             frames = self._router.recv_multipart()
-            if len(frames) == 2:
-                self._router.send_multipart([frames[0], self._latest or pack("none")])
+            if len(frames) != 2:
+                continue
+            try:
+                unpack(frames[1], ("latest",), key=self.key)
+            except WireError:
+                continue  # unsigned or garbage: no adapter for strangers
+            self._router.send_multipart([frames[0], self._latest or pack("none", key=self.key)])
 
     def close(self) -> None:
         self._stop.set()
@@ -112,7 +120,8 @@ class WeightPublisher:
 class WeightSubscriber:
     """An actor's end (also the evaluator's)."""
 
-    def __init__(self, endpoints: tuple[str, str] | list[str]) -> None:
+    def __init__(self, endpoints: tuple[str, str] | list[str], key: bytes | None = None) -> None:
+        self.key = key
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -125,7 +134,7 @@ class WeightSubscriber:
 
     def _accept(self, frame: bytes) -> Adapter | None:
         try:
-            adapter = decode_adapter(frame)
+            adapter = decode_adapter(frame, self.key)
         except WireError:
             self.rejected += 1
             return None
@@ -152,14 +161,14 @@ class WeightSubscriber:
         req.setsockopt(zmq.LINGER, 0)
         try:
             req.connect(self._req_endpoint)
-            req.send(pack("latest"))
+            req.send(pack("latest", key=self.key))
             if not req.poll(int(timeout * 1000)):
                 return None
             frame = req.recv()
         finally:
             req.close(0)
         try:
-            if unpack(frame).get("type") == "none":
+            if unpack(frame, key=self.key).get("type") == "none":
                 return None
         except WireError:
             self.rejected += 1

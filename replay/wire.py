@@ -5,10 +5,17 @@ travel as {"dtype", "n", "data"} with little-endian raw bytes. Decoding never
 trusts the peer: unknown schema, unknown type, wrong dtype, lengths that do not
 match, non-finite rewards or a frame over the size cap all raise `WireError`,
 which servers turn into an error reply and a counter. Nothing is pickled.
+
+With a key (the launcher makes one per run), every frame is prefixed with an
+HMAC-SHA256 of its body; a frame that is unsigned or tampered with is rejected
+before it is decoded. A group travels as nested msgpack bytes, so replay stores
+and serves exactly the bytes it validated, without re-encoding them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,21 +152,57 @@ class Group:
                    actor=str(obj.get("actor", ""))[:128], meta=dict(meta))
 
 
-def pack(msg_type: str, **fields: Any) -> bytes:
-    return msgpack.packb({"v": SCHEMA, "type": msg_type, **fields}, use_bin_type=True)
+MAC_BYTES = 32
 
 
-def unpack(frame: bytes, types: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Decode one frame; raise WireError unless it is a schema-`SCHEMA` map of a known type."""
-    if len(frame) > MAX_FRAME:
-        raise WireError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME}-byte cap")
+def sign(key: bytes | None, body: bytes) -> bytes:
+    """Prefix `body` with its HMAC-SHA256 under `key` (no-op without a key)."""
+    return body if key is None else hmac.new(key, body, hashlib.sha256).digest() + body
+
+
+def verify(key: bytes | None, frame: bytes) -> bytes:
+    """The body of a signed frame; WireError if the MAC is missing or wrong."""
+    if key is None:
+        return frame
+    if len(frame) < MAC_BYTES or not hmac.compare_digest(
+            frame[:MAC_BYTES], hmac.new(key, frame[MAC_BYTES:], hashlib.sha256).digest()):
+        raise WireError("frame is unsigned or its HMAC does not match")
+    return frame[MAC_BYTES:]
+
+
+def pack(msg_type: str, *, key: bytes | None = None, **fields: Any) -> bytes:
+    """One frame: a schema-`SCHEMA` msgpack map, signed when a key is given."""
+    return sign(key, msgpack.packb({"v": SCHEMA, "type": msg_type, **fields}, use_bin_type=True))
+
+
+def _loads(body: bytes) -> Any:
     try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME,
-                              max_str_len=1 << 20, max_array_len=1 << 20, max_map_len=1 << 16)
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME,
+                               max_str_len=1 << 20, max_array_len=1 << 20, max_map_len=1 << 16)
     except Exception as exc:  # msgpack raises several types for garbage
         raise WireError(f"not a msgpack frame: {type(exc).__name__}") from None
+
+
+def unpack(frame: bytes, types: tuple[str, ...] | None = None, *, key: bytes | None = None) -> dict[str, Any]:
+    """Decode one frame; raise WireError unless it is signed (with a key), within the size
+    cap, and a schema-`SCHEMA` map of one of `types`."""
+    if len(frame) > MAX_FRAME:
+        raise WireError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME}-byte cap")
+    obj = _loads(verify(key, frame))
     if not isinstance(obj, dict) or obj.get("v") != SCHEMA or not isinstance(obj.get("type"), str):
         raise WireError(f"not a schema-{SCHEMA} Tandem frame")
     if types is not None and obj["type"] not in types:
         raise WireError(f"unexpected frame type {obj['type']!r}")
     return obj
+
+
+def encode_group(group: Group) -> bytes:
+    """A group as msgpack bytes: what `push` carries and replay stores and serves unchanged."""
+    return msgpack.packb(group.to_wire(), use_bin_type=True)
+
+
+def decode_group(blob: Any) -> Group:
+    """Validate and decode bytes made by `encode_group`."""
+    if not isinstance(blob, bytes):
+        raise WireError("group: expected msgpack bytes")
+    return Group.from_wire(_loads(blob))

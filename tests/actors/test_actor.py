@@ -11,6 +11,7 @@ from envs import make_env
 from policy.load import LoraSpec
 from replay.buffer import ReplayBuffer
 from replay.client import LocalReplay
+from replay.wire import decode_group
 from replay.weights import Adapter, WeightPublisher, WeightSubscriber, decode_adapter, encode_adapter
 
 LORA = LoraSpec(rank=4)
@@ -96,7 +97,7 @@ def test_actor_applies_new_adapters_between_turns_and_records_versions(tiny_mode
         thread.join(60)
         subscriber.close()
         publisher.close()
-    groups = list(buffer.queue)
+    groups = [decode_group(e.blob) for e in buffer.queue]
     assert len(groups) >= 12
     for g in groups:
         assert len(g.trajectories) == 2 and len({t.tokens[:20].tobytes() for t in g.trajectories}) == 1

@@ -47,3 +47,26 @@ def test_colocated_run_is_strictly_on_policy(tmp_path):
     staleness = read_scalars(str(logdir))["async/staleness_mean"]
     assert [s for s, _ in staleness] == [1, 2, 3]
     assert all(v == 0.0 for _, v in staleness)
+
+
+def test_ctrl_c_stops_every_process_and_leaves_readable_logs(tmp_path):
+    import signal
+    import time
+
+    logdir = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.async", "--actors", "2", "--learners", "1",
+                             "--steps", "100000", "--logdir", str(logdir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    deadline = time.time() + 600
+    for line in proc.stdout:
+        seen.append(line)
+        if "step " in line and "/100000" in line and not line.split("step ")[1].startswith("0/"):
+            break  # training is under way
+        assert time.time() < deadline, "".join(seen[-20:])
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(seen[-10:]) + rest[-3000:]
+    assert "interrupted" in rest
+    scalars = read_scalars(str(logdir))
+    assert scalars["eval/success_rate"][0][0] == 0 and "learner/loss" in scalars

@@ -20,3 +20,12 @@ def make_group(version: int = 0, size: int = 4, length: int = 40, rewards=None, 
             mask=mask, versions=np.full(length, version, np.int32),
             reward=float(r), turns=3, finish_reason="terminated"))
     return Group(uuid.uuid4().hex, f"seed={seed}", trajs, actor=actor)
+
+
+def make_entry(**kwargs):
+    """A group as the buffer stores it."""
+    from replay.buffer import Entry
+    from replay.wire import encode_group
+
+    g = make_group(**kwargs)
+    return Entry.of(g, encode_group(g))

@@ -4,7 +4,7 @@ import pytest
 
 from replay.buffer import ReplayBuffer
 
-from tests.replay.helpers import make_group
+from tests.replay.helpers import make_entry
 
 
 def test_capacity_follows_the_areal_formula():
@@ -13,7 +13,7 @@ def test_capacity_follows_the_areal_formula():
     credits = [buf.grant("a") for _ in range(5)]
     assert [c is not None for c in credits] == [True] * 4 + [False]
     for i in range(4):
-        buf.push(make_group(version=0, seed=i, actor="a"))
+        buf.push(make_entry(version=0, seed=i, actor="a"))
     assert buf.capacity == 0  # (2)·2 − (4 + 0)
     assert len(buf.take(step=0, rank=0)) == 2
     buf.set_version(1)
@@ -22,8 +22,8 @@ def test_capacity_follows_the_areal_formula():
 
 def test_stale_groups_are_dropped_counted_and_make_room():
     buf = ReplayBuffer(groups_per_step=1, max_staleness=1)
-    buf.push(make_group(version=0, seed=1))
-    buf.push(make_group(version=2, seed=2))
+    buf.push(make_entry(version=0, seed=1))
+    buf.push(make_entry(version=2, seed=2))
     buf.set_version(2)  # the v0 group is 2 > η = 1 versions old
     batch = buf.take(step=2, rank=0)
     assert [g.version for g in batch] == [2]
@@ -33,7 +33,7 @@ def test_stale_groups_are_dropped_counted_and_make_room():
 
 def test_two_ranks_get_disjoint_shards_of_one_batch():
     buf = ReplayBuffer(groups_per_step=4, max_staleness=0, num_shards=2)
-    groups = [make_group(seed=i) for i in range(4)]
+    groups = [make_entry(seed=i) for i in range(4)]
     for g in groups:
         buf.push(g)
     a, b = buf.take(0, 1), buf.take(0, 0)
@@ -46,7 +46,7 @@ def test_two_ranks_get_disjoint_shards_of_one_batch():
 
 def test_duplicates_are_stored_once():
     buf = ReplayBuffer(groups_per_step=1, max_staleness=0)
-    g = make_group()
+    g = make_entry()
     assert buf.push(g) == "stored" and buf.push(g) == "duplicate"
     assert len(buf.queue) == 1 and buf.stats.duplicates == 1
 
