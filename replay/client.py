@@ -88,6 +88,7 @@ class ZmqReplayClient:
         self._granted: list[int] = []
         self._asked = 0  # credits requested and not yet granted
         self._epoch: str | None = None
+        self._heard = time.monotonic()
         self._connect()
 
     def _connect(self) -> None:
@@ -107,6 +108,7 @@ class ZmqReplayClient:
         if not self._sock.poll(int(timeout * 1000)):
             return None
         msg = unpack(self._sock.recv(), REPLIES, key=self.key)
+        self._heard = time.monotonic()
         epoch = msg.get("epoch")
         if self._epoch is not None and epoch != self._epoch:
             self._restarted()
@@ -142,7 +144,9 @@ class ZmqReplayClient:
                     raise WireError(f"replay refused the request: {msg.get('reason')}")
                 return msg
             if msg.get("id") == ping and ping is not None:
-                if epoch_before is not None and msg.get("epoch") != epoch_before:
+                if epoch_before is None or msg.get("epoch") != epoch_before:
+                    # A new server (or one never heard from): ask again. Every request is
+                    # idempotent: a batch stays assigned, a push is deduplicated by group id.
                     rid = self._send(msg_type, **fields)
                 ping = None
 
@@ -156,7 +160,9 @@ class ZmqReplayClient:
 
     def credits(self, timeout: float) -> list[int]:
         if not self._granted:
-            self._recv(timeout)
+            if self._recv(timeout) is None and self._asked and time.monotonic() - self._heard > self.check_every:
+                self._heard = time.monotonic()
+                self._send("ping")  # a restarted server shows a new epoch in its reply
             while self._recv(0) is not None:
                 pass
         out, self._granted = self._granted, []

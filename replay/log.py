@@ -109,15 +109,12 @@ class ReplayLog:
         self._file.write(body)
 
     def _sync(self, force: bool = False) -> None:
-        if self.fsync == "never" and not force:
-            return
+        self._file.flush()  # to the OS on every record: a killed process loses nothing
         now = time.monotonic()
-        if force or self.fsync == "always" or now - self._last_sync >= self.fsync_interval_s:
-            self._file.flush()
+        if force or self.fsync == "always" or (
+                self.fsync == "interval" and now - self._last_sync >= self.fsync_interval_s):
             os.fsync(self._file.fileno())
             self._last_sync = now
-        else:
-            self._file.flush()
 
     def stored(self, group_id: str, blob: bytes) -> None:
         """Record a stored group; durable per the fsync policy when this returns."""

@@ -24,7 +24,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -131,7 +131,6 @@ class ReplayServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + 1024)  # oversized frames are cut off by ZeroMQ itself
-        sock.setsockopt(zmq.SNDTIMEO, 1000)
         try:
             sock.bind(self.bind)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -156,9 +155,10 @@ class ReplayServer:
 
     def _reply(self, sock, peer: bytes, rid: int, msg_type: str, **fields) -> bool:
         try:
-            sock.send_multipart([peer, pack(msg_type, key=self.key, id=rid, epoch=self.epoch, **fields)])
+            sock.send_multipart([peer, pack(msg_type, key=self.key, id=rid, epoch=self.epoch, **fields)],
+                                flags=zmq.NOBLOCK)
             return True
-        except zmq.ZMQError:  # the peer is gone (or stuck): its request is dropped, never its data
+        except zmq.ZMQError:  # the peer is gone or not reading: drop the reply, never its data
             self.lost_replies += 1
             return False
 
@@ -269,7 +269,7 @@ def main() -> None:
         """Staleness bound η in policy versions."""
         learners: int = 1
         """Learner ranks: each step's batch is cut into this many shards."""
-        replay: ReplayConfig = ReplayConfig()
+        replay: ReplayConfig = field(default_factory=ReplayConfig)
 
     args = tyro.cli(Args)
     buffer = args.replay.make_buffer(args.groups_per_step, args.max_staleness, args.learners)

@@ -1,0 +1,127 @@
+"""The replay log: SIGKILL the service, start it again, count groups exactly."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from replay.client import ZmqReplayClient
+from replay.log import ReplayLog
+from replay.wire import encode_group
+from tests.replay.helpers import make_group
+
+KEY = os.urandom(32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_replay(port: int, log_dir, fsync: str = "interval") -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replay.server", "--groups-per-step", "2", "--max-staleness", "1000",
+         "--replay.port", str(port), "--replay.log-dir", str(log_dir), "--replay.fsync", fsync],
+        env={**os.environ, "TANDEM_KEY": KEY.hex()}, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert "replay serving" in line, line
+    return proc
+
+
+def test_sigkill_and_restart_loses_nothing_and_serves_nothing_twice(tmp_path):
+    port, log_dir = free_port(), tmp_path / "log"
+    proc = start_replay(port, log_dir)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    actor = ZmqReplayClient(endpoint, actor="actor-0", key=KEY, timeout=5)
+    learner = ZmqReplayClient(endpoint, key=KEY, timeout=5, check_every=1.0)
+    groups = [make_group(seed=i) for i in range(10)]
+    assert [actor.push(g) for g in groups] == ["stored"] * 10
+    consumed = [g.group_id for g in learner.sample(0, 0, 0, timeout=10)]
+    learner.ack(0, 0)
+    in_flight = [g.group_id for g in learner.sample(1, 0, 1, timeout=10)]  # taken, never acknowledged
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    proc = start_replay(port, log_dir)
+    try:
+        assert actor.push(groups[3]) == "duplicate"  # the id survived the restart too
+        served = []
+        for step in range(1, 5):
+            served += [g.group_id for g in learner.sample(step, 0, step, timeout=10)]
+            learner.ack(step, 0)
+        everything = {g.group_id for g in groups}
+        assert len(served) == len(set(served)) == 8
+        assert set(served) == everything - set(consumed)
+        assert set(in_flight) <= set(served)
+        assert learner.stats()["queue_groups"] == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_waiting_learner_and_a_pushing_actor_ride_through_a_restart(tmp_path):
+    port, log_dir = free_port(), tmp_path / "log"
+    endpoint = f"tcp://127.0.0.1:{port}"
+    proc = start_replay(port, log_dir)
+    learner = ZmqReplayClient(endpoint, key=KEY, timeout=5, check_every=1.0)
+    got = []
+    waiting = threading.Thread(target=lambda: got.extend(learner.sample(0, 0, 0, timeout=60)))
+    waiting.start()  # parked: there is no data yet
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    actor = ZmqReplayClient(endpoint, actor="actor-0", key=KEY, timeout=2)
+    pushing = threading.Thread(target=lambda: [actor.push(make_group(seed=i)) for i in range(2)])
+    pushing.start()  # the server is down: the push waits and retries
+    time.sleep(2.5)
+    proc = start_replay(port, log_dir)
+    try:
+        pushing.join(60)
+        waiting.join(60)
+        assert not pushing.is_alive() and not waiting.is_alive()
+        assert len(got) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_consumed_segments_are_removed(tmp_path):
+    log = ReplayLog(tmp_path, fsync="never", segment_bytes=3_000)
+    log.recover()
+    ids = []
+    for i in range(12):
+        g = make_group(seed=i)
+        log.stored(g.group_id, encode_group(g))
+        ids.append(g.group_id)
+    assert len(log.segments()) >= 4
+    log.consumed(ids[:6])
+    remaining = log.segments()
+    log.consumed(ids[6:])
+    assert len(log.segments()) < len(remaining) and len(log.segments()) <= 2
+    log.close()
+    blobs, seen = ReplayLog(tmp_path).recover()
+    assert blobs == [] and len(seen) <= 12
+
+
+def test_a_torn_tail_record_is_cut_off(tmp_path):
+    log = ReplayLog(tmp_path, fsync="always")
+    log.recover()
+    g = make_group(seed=1)
+    log.stored(g.group_id, encode_group(g))
+    log.close()
+    seg = sorted(tmp_path.glob("*.seg"))[-1]
+    with open(seg, "ab") as f:
+        f.write(b"\x40\x00\x00\x00\x00\x00garbage")  # a crash mid-write
+    blobs, seen = ReplayLog(tmp_path).recover()
+    assert len(blobs) == 1 and seen == {g.group_id}
+
+
+def test_bad_fsync_policy_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="fsync"):
+        ReplayLog(tmp_path, fsync="sometimes")
