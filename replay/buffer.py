@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -42,11 +43,11 @@ class Entry:
     group_id: str
     version: int
     rewards: np.ndarray
-    blob: bytes
+    blob: Any  # bytes, or the ZeroMQ frame it arrived in (served again without a copy)
     actor: str = ""
 
     @classmethod
-    def of(cls, group: Group, blob: bytes) -> Entry:
+    def of(cls, group: Group, blob: Any) -> Entry:
         return cls(group.group_id, group.version, group.rewards, blob, group.actor)
 
 

@@ -20,7 +20,7 @@ from typing import Protocol
 import zmq
 
 from replay.buffer import Entry, ReplayBuffer
-from replay.wire import Group, WireError, decode_group, encode_group, pack, unpack
+from replay.wire import Group, WireError, decode_group, encode_group, pack_parts, unpack_parts
 
 REPLIES = ("ok", "credit", "ack", "batch", "stats", "error")
 
@@ -99,15 +99,17 @@ class ZmqReplayClient:
     def close(self) -> None:
         self._sock.close(0)
 
-    def _send(self, msg_type: str, **fields) -> int:
+    def _send(self, msg_type: str, blobs: list = (), **fields) -> int:
         rid = next(self._ids)
-        self._sock.send(pack(msg_type, key=self.key, id=rid, **fields))
+        self._sock.send_multipart(pack_parts(msg_type, blobs, key=self.key, id=rid, **fields), copy=False)
         return rid
 
     def _recv(self, timeout: float) -> dict | None:
         if not self._sock.poll(int(timeout * 1000)):
             return None
-        msg = unpack(self._sock.recv(), REPLIES, key=self.key)
+        msg, blobs = unpack_parts(self._sock.recv_multipart(copy=False), REPLIES, key=self.key)
+        if blobs:
+            msg["blobs"] = blobs
         self._heard = time.monotonic()
         epoch = msg.get("epoch")
         if self._epoch is not None and epoch != self._epoch:
@@ -125,8 +127,8 @@ class ZmqReplayClient:
             for _ in range(self._asked):
                 self._send("credit", actor=self.actor)
 
-    def _call(self, msg_type: str, timeout: float | None, **fields) -> dict:
-        rid = self._send(msg_type, **fields)
+    def _call(self, msg_type: str, timeout: float | None, blobs: list = (), **fields) -> dict:
+        rid = self._send(msg_type, blobs, **fields)
         start = last_check = time.monotonic()
         ping, epoch_before = None, None
         while True:
@@ -147,7 +149,7 @@ class ZmqReplayClient:
                 if epoch_before is None or msg.get("epoch") != epoch_before:
                     # A new server (or one never heard from): ask again. Every request is
                     # idempotent: a batch stays assigned, a push is deduplicated by group id.
-                    rid = self._send(msg_type, **fields)
+                    rid = self._send(msg_type, blobs, **fields)
                 ping = None
 
     # -- actor side ---------------------------------------------------------
@@ -173,7 +175,7 @@ class ZmqReplayClient:
         blob = encode_group(group)
         for _ in range(1000):
             try:
-                return self._call("push", self.timeout, group=blob)["status"]
+                return self._call("push", self.timeout, [blob])["status"]
             except ReplayUnavailable:
                 # Lost frame or a dead server: reconnect and resend; the group id makes it idempotent.
                 self.close()
@@ -183,10 +185,7 @@ class ZmqReplayClient:
     # -- learner side -------------------------------------------------------
     def sample(self, step: int, rank: int, version: int, timeout: float | None = None) -> list[Group]:
         msg = self._call("sample", timeout, step=step, rank=rank, version=version)
-        groups = msg.get("groups")
-        if not isinstance(groups, list):
-            raise WireError("batch reply without groups")
-        return [decode_group(g) for g in groups]
+        return [decode_group(memoryview(g)) for g in msg.get("blobs", [])]
 
     def ack(self, step: int, rank: int) -> None:
         self._call("ack", self.timeout, step=step, rank=rank)

@@ -116,9 +116,9 @@ class ReplayLog:
             os.fsync(self._file.fileno())
             self._last_sync = now
 
-    def stored(self, group_id: str, blob: bytes) -> None:
+    def stored(self, group_id: str, blob) -> None:
         """Record a stored group; durable per the fsync policy when this returns."""
-        self._append({"k": "g", "id": group_id, "blob": blob})
+        self._append({"k": "g", "id": group_id, "blob": memoryview(blob)})
         self._live[self._segment].add(group_id)
         self._where[group_id] = self._segment
         self._sync()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from replay.buffer import Entry, ReplayBuffer
-from replay.wire import MAX_FRAME, WireError, decode_group, pack, unpack
+from replay.wire import MAX_FRAME, WireError, decode_group, pack_parts, unpack_parts
 
 REQUESTS = ("hello", "credit", "push", "sample", "ack", "stats", "ping")
 
@@ -145,7 +145,7 @@ class ReplayServer:
             while not self._stop.is_set():
                 if not sock.poll(100):
                     continue
-                frames = sock.recv_multipart(copy=True)
+                frames = sock.recv_multipart(copy=False)  # group blobs stay in ZeroMQ's buffers
                 with self.lock:
                     self._handle(sock, frames)
                     self._wake(sock)
@@ -153,37 +153,32 @@ class ReplayServer:
             sock.close(0)
             ctx.term()
 
-    def _reply(self, sock, peer: bytes, rid: int, msg_type: str, **fields) -> bool:
+    def _reply(self, sock, peer: bytes, rid: int, msg_type: str, blobs: list = (), **fields) -> bool:
         try:
-            sock.send_multipart([peer, pack(msg_type, key=self.key, id=rid, epoch=self.epoch, **fields)],
-                                flags=zmq.NOBLOCK)
+            parts = pack_parts(msg_type, blobs, key=self.key, id=rid, epoch=self.epoch, **fields)
+            sock.send_multipart([peer, *parts], flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.ZMQError:  # the peer is gone or not reading: drop the reply, never its data
             self.lost_replies += 1
             return False
 
-    def _handle(self, sock, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            self.buffer.stats.malformed_frames += 1
-            if frames:
-                self._reply(sock, frames[0], -1, "error", reason="expected exactly one frame per request")
-            return
-        peer, frame = frames
+    def _handle(self, sock, frames: list) -> None:
+        peer, parts = frames[0].bytes, frames[1:]
         rid = -1
         try:
-            msg = unpack(frame, REQUESTS, key=self.key)
+            msg, blobs = unpack_parts(parts, REQUESTS, key=self.key)
             rid = msg.get("id", -1)
             if not isinstance(rid, int) or isinstance(rid, bool):
                 rid = -1
                 raise WireError("request id must be an integer")
-            self._dispatch(sock, peer, rid, msg)
+            self._dispatch(sock, peer, rid, msg, blobs)
         except WireError as exc:
             self.buffer.stats.malformed_frames += 1
             self._reply(sock, peer, rid, "error", reason=str(exc))
         except ValueError as exc:  # well-formed but refused (bad rank, ...)
             self._reply(sock, peer, rid, "error", reason=str(exc))
 
-    def _dispatch(self, sock, peer: bytes, rid: int, msg: dict) -> None:
+    def _dispatch(self, sock, peer: bytes, rid: int, msg: dict, blobs: list) -> None:
         kind = msg["type"]
         if kind == "hello":
             self.buffer.hello(_str(msg, "actor"))
@@ -193,9 +188,10 @@ class ReplayServer:
         elif kind == "credit":
             self._credit_waiters.append((peer, rid, _str(msg, "actor"), time.monotonic()))
         elif kind == "push":
-            blob = msg.get("group")
-            group = decode_group(blob)
-            status = self.buffer.push(Entry.of(group, blob), len(group.trajectories))
+            if len(blobs) != 1:
+                raise WireError("push carries exactly one group")
+            group = decode_group(memoryview(blobs[0]))
+            status = self.buffer.push(Entry.of(group, blobs[0]), len(group.trajectories))
             self._reply(sock, peer, rid, "ack", group_id=group.group_id, status=status)
         elif kind == "sample":
             step, rank, version = (_int(msg, k) for k in ("step", "rank", "version"))
@@ -222,8 +218,8 @@ class ReplayServer:
             if shard is None:
                 still.append((peer, rid, step, rank))
             else:  # if this reply is lost, the shard stays assigned and is served again on request
-                self._reply(sock, peer, rid, "batch", step=step, version=self.buffer.version,
-                            groups=[e.blob for e in shard])
+                self._reply(sock, peer, rid, "batch", [e.blob for e in shard], step=step,
+                            version=self.buffer.version)
         self._sample_waiters = still
         while self._credit_waiters:
             peer, rid, actor, since = self._credit_waiters[0]

@@ -41,16 +41,19 @@ def _array(a: np.ndarray, dtype: str) -> dict[str, Any]:
     return {"dtype": dtype, "n": int(a.shape[0]), "data": a.tobytes()}
 
 
+_LITTLE = {name: np.dtype(t).newbyteorder("<") for name, t in _DTYPES.items()}
+
+
 def _unarray(obj: Any, dtype: str, what: str) -> np.ndarray:
+    """A read-only view of the array's bytes (no copy on little-endian hosts)."""
     if not isinstance(obj, dict) or set(obj) != {"dtype", "n", "data"}:
         raise WireError(f"{what}: expected an array map with dtype, n, data")
     if obj["dtype"] != dtype:
         raise WireError(f"{what}: dtype {obj['dtype']!r}, expected {dtype!r}")
     n, data = obj["n"], obj["data"]
-    item = np.dtype(_DTYPES[dtype]).itemsize
-    if not isinstance(n, int) or not isinstance(data, bytes) or n < 0 or len(data) != n * item:
+    if not isinstance(n, int) or not isinstance(data, bytes) or n < 0 or len(data) != n * _LITTLE[dtype].itemsize:
         raise WireError(f"{what}: length does not match its data")
-    return np.frombuffer(data, dtype=np.dtype(_DTYPES[dtype]).newbyteorder("<")).astype(_DTYPES[dtype])
+    return np.frombuffer(data, dtype=_LITTLE[dtype])
 
 
 def _get(obj: dict, key: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -100,11 +103,12 @@ class Trajectory:
         n = t.tokens.shape[0]
         if not (t.logprobs.shape[0] == t.mask.shape[0] == t.versions.shape[0] == n):
             raise WireError(f"{what}: tokens, logprobs, mask and versions differ in length")
-        if n == 0 or (t.tokens < 0).any():
+        if n == 0 or t.tokens.min() < 0:
             raise WireError(f"{what}: empty, or negative token ids")
-        if not math.isfinite(t.reward) or not np.isfinite(t.logprobs).all() or (t.logprobs > 1e-3).any():
+        # min/max are NaN when any element is: one pass each, and NaN fails every comparison
+        if not math.isfinite(t.reward) or not (np.isfinite(t.logprobs.min()) and t.logprobs.max() <= 1e-3):
             raise WireError(f"{what}: reward or log-probs are not finite log-probabilities")
-        if (t.mask > 1).any() or t.turns < 0 or t.finish_reason not in FINISH_REASONS:
+        if t.mask.max() > 1 or t.turns < 0 or t.finish_reason not in FINISH_REASONS:
             raise WireError(f"{what}: mask not 0/1, negative turns, or unknown finish reason")
         return t
 
@@ -196,13 +200,50 @@ def unpack(frame: bytes, types: tuple[str, ...] | None = None, *, key: bytes | N
     return obj
 
 
+def _mac(key: bytes, parts: list) -> bytes:
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        view = memoryview(part)
+        mac.update(len(view).to_bytes(8, "little"))
+        mac.update(view)
+    return mac.digest()
+
+
+def pack_parts(msg_type: str, blobs: list = (), *, key: bytes | None = None, **fields: Any) -> list:
+    """A multipart message: a header frame (msgpack map) and raw blob frames after it, which
+    ZeroMQ sends without copying. With a key, a first frame holds the HMAC-SHA256 of all the others."""
+    header = msgpack.packb({"v": SCHEMA, "type": msg_type, "blobs": len(blobs), **fields}, use_bin_type=True)
+    parts = [header, *blobs]
+    return parts if key is None else [_mac(key, parts), *parts]
+
+
+def unpack_parts(parts: list, types: tuple[str, ...] | None = None, *,
+                 key: bytes | None = None) -> tuple[dict[str, Any], list]:
+    """Check and decode a multipart message: (header map, blob frames)."""
+    if key is not None:
+        if len(parts) < 2 or len(parts[0]) != MAC_BYTES or not hmac.compare_digest(
+                bytes(parts[0]), _mac(key, parts[1:])):
+            raise WireError("message is unsigned or its HMAC does not match")
+        parts = parts[1:]
+    if not parts or any(len(p) > MAX_FRAME for p in parts):
+        raise WireError(f"empty message, or a frame over the {MAX_FRAME}-byte cap")
+    obj = _loads(parts[0])
+    if not isinstance(obj, dict) or obj.get("v") != SCHEMA or not isinstance(obj.get("type"), str):
+        raise WireError(f"not a schema-{SCHEMA} Tandem message")
+    if types is not None and obj["type"] not in types:
+        raise WireError(f"unexpected message type {obj['type']!r}")
+    if obj.get("blobs") != len(parts) - 1:
+        raise WireError("the header's blob count does not match the frames")
+    return obj, parts[1:]
+
+
 def encode_group(group: Group) -> bytes:
     """A group as msgpack bytes: what `push` carries and replay stores and serves unchanged."""
     return msgpack.packb(group.to_wire(), use_bin_type=True)
 
 
 def decode_group(blob: Any) -> Group:
-    """Validate and decode bytes made by `encode_group`."""
-    if not isinstance(blob, bytes):
+    """Validate and decode bytes (or a buffer) made by `encode_group`."""
+    if not isinstance(blob, (bytes, memoryview)):
         raise WireError("group: expected msgpack bytes")
     return Group.from_wire(_loads(blob))

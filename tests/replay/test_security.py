@@ -7,7 +7,7 @@ import zmq
 from replay.buffer import ReplayBuffer
 from replay.client import ZmqReplayClient
 from replay.server import ReplayServer
-from replay.wire import MAC_BYTES, WireError, encode_group, pack, sign, unpack
+from replay.wire import WireError, encode_group, pack_parts, unpack, unpack_parts
 from tests.replay.helpers import make_group
 
 KEY = bytes(range(32))
@@ -29,32 +29,37 @@ def dealer(endpoint):
 
 
 def fuzz_frames(n: int, rng: np.random.Generator) -> list[list[bytes]]:
-    """Random bytes, random msgpack, truncations and bit flips of valid signed frames, forged MACs."""
-    valid = [pack("push", key=KEY, id=1, group=encode_group(make_group(seed=1))),
-             pack("sample", key=KEY, id=2, step=0, rank=0, version=0),
-             pack("credit", key=KEY, id=3, actor="a")]
+    """Random bytes, random msgpack, truncations and bit flips of valid signed messages, forged MACs."""
+    import msgpack
+
+    valid = [pack_parts("push", [encode_group(make_group(seed=1))], key=KEY, id=1),
+             pack_parts("sample", key=KEY, id=2, step=0, rank=0, version=0),
+             pack_parts("credit", key=KEY, id=3, actor="a")]
     out = []
     for i in range(n):
         kind = i % 6
+        base = [bytes(p) for p in valid[int(rng.integers(len(valid)))]]
         if kind == 0:
-            out.append([rng.bytes(int(rng.integers(0, 300)))])
-        elif kind == 1:
-            base = valid[int(rng.integers(len(valid)))]
-            out.append([base[: int(rng.integers(0, len(base)))]])
-        elif kind == 2:
-            frame = bytearray(valid[int(rng.integers(len(valid)))])
-            for _ in range(int(rng.integers(1, 4))):
-                frame[int(rng.integers(len(frame)))] ^= 1 << int(rng.integers(8))
-            out.append([bytes(frame)])
+            out.append([rng.bytes(int(rng.integers(0, 300))) for _ in range(int(rng.integers(1, 4)))])
+        elif kind == 1:  # truncated frames, or frames missing
+            j = int(rng.integers(len(base)))
+            out.append(base[:j] + [base[j][: int(rng.integers(0, len(base[j])))]])
+        elif kind == 2:  # bit flips anywhere
+            j = int(rng.integers(len(base)))
+            frame = bytearray(base[j])
+            for pos in rng.choice(len(frame), size=min(len(frame), int(rng.integers(1, 4))), replace=False):
+                frame[int(pos)] ^= 1 << int(rng.integers(8))  # distinct positions: never a no-op
+            out.append(base[:j] + [bytes(frame)] + base[j + 1:])
         elif kind == 3:  # well signed, wrong content
-            body = {"v": 1, "type": ["push", "sample", "ack", "credit", "hello"][i % 5], "id": i,
-                    "group": rng.bytes(50), "step": -1, "rank": "x", "actor": 7}
-            import msgpack
-            out.append([sign(KEY, msgpack.packb(body))])
+            body = {"v": 1, "type": ["push", "sample", "ack", "credit", "hello"][i % 5], "id": i, "blobs": 1,
+                    "step": -1, "rank": "x", "actor": 7}
+            from replay.wire import _mac
+            parts = [msgpack.packb(body), rng.bytes(64)]
+            out.append([_mac(KEY, parts), *parts])
         elif kind == 4:  # signed with another key
-            out.append([sign(b"k" * 32, valid[0][MAC_BYTES:])])
-        else:
-            out.append([rng.bytes(10) for _ in range(int(rng.integers(2, 4)))])
+            out.append(pack_parts("credit", key=b"k" * 32, id=5, actor="a"))
+        else:  # a valid signature on random frames: the MAC must cover frame boundaries
+            out.append([base[0], rng.bytes(20), rng.bytes(10)])
     return out
 
 
@@ -81,19 +86,24 @@ def test_ten_thousand_bad_frames_then_a_normal_client_is_served(server):
     assert sorted(g.group_id for g in got) == sorted(g.group_id for g in groups)
 
 
-def test_unsigned_and_tampered_frames_are_rejected_signed_ones_pass(server):
+def test_unsigned_and_tampered_messages_are_rejected_signed_ones_pass(server):
     sock = dealer(server.endpoint)
-    body = pack("push", id=1, group=encode_group(make_group(seed=3)))
-    sock.send(body)  # unsigned
-    reply = unpack(sock.recv(), key=KEY) if sock.poll(5000) else None
+
+    def ask(parts):
+        sock.send_multipart(parts)
+        assert sock.poll(5000)
+        return unpack_parts(sock.recv_multipart(), key=KEY)[0]
+
+    blob = encode_group(make_group(seed=3))
+    unsigned = pack_parts("push", [blob], id=1)
+    reply = ask(unsigned)
     assert reply["type"] == "error" and "HMAC" in reply["reason"]
-    signed = bytearray(sign(KEY, body))
-    signed[-5] ^= 0xFF  # tampered after signing
-    sock.send(bytes(signed))
-    reply = unpack(sock.recv(), key=KEY) if sock.poll(5000) else None
+    signed = pack_parts("push", [blob], key=KEY, id=2)
+    tampered = bytearray(signed[2])
+    tampered[-5] ^= 0xFF
+    reply = ask([signed[0], signed[1], bytes(tampered)])
     assert reply["type"] == "error" and "HMAC" in reply["reason"]
-    sock.send(sign(KEY, body))
-    reply = unpack(sock.recv(), key=KEY) if sock.poll(5000) else None
+    reply = ask(signed)
     assert reply["type"] == "ack" and reply["status"] == "stored"
     sock.close(0)
     assert server.snapshot()["malformed_frames"] == 2

@@ -1,0 +1,172 @@
+"""`python -m bench.replay`: replay throughput against bare ZeroMQ, in one run.
+
+Several actor processes push groups of 8 trajectories × 4,096 tokens (ids,
+log-probs, mask, versions: ~416 KB a group) through the replay service while a
+learner process samples batches, decodes every group and acknowledges each
+step. The baseline sends frames of the same size through a bare ZeroMQ
+PUSH/PULL pair from the same number of processes. Then the replay run again
+with its durable log on. Prints a table and, last, one JSON line:
+groups_per_s, raw_groups_per_s, ratio, ratio_durable.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import tyro
+
+
+@dataclass
+class Args:
+    actors: int = 2
+    """Pushing processes (the same number of PUSH sockets for the baseline)."""
+    groups: int = 1200
+    """Groups the learner consumes in each run."""
+    group_size: int = 8
+    """Trajectories per group."""
+    tokens: int = 4096
+    """Tokens per trajectory."""
+    batch: int = 16
+    """Groups per learner step."""
+    fsync: str = "interval"
+    """fsync policy of the durable run."""
+
+
+def make_group(args: Args, rng):
+    from replay.wire import Group, Trajectory
+
+    n = args.tokens
+    trajs = [Trajectory(tokens=rng.integers(0, 150_000, n).astype(np.int32),
+                        logprobs=-rng.random(n).astype(np.float32), mask=(rng.random(n) < 0.5).astype(np.uint8),
+                        versions=np.zeros(n, np.int32), reward=float(i % 2), turns=4, finish_reason="terminated")
+             for i in range(args.group_size)]
+    return Group(uuid.uuid4().hex, "bench", trajs)
+
+
+def _actor(args: Args, endpoint: str, name: str, stop) -> None:
+    from replay.client import ZmqReplayClient
+
+    client = ZmqReplayClient(endpoint, actor=name)
+    client.hello()
+    group = make_group(args, np.random.default_rng(0))
+    window = 4
+    for _ in range(window):
+        client.request_credit()
+    while not stop.is_set():
+        for _ in client.credits(timeout=0.2):
+            group.group_id = uuid.uuid4().hex
+            client.push(group)
+            client.request_credit()
+    client.close()
+
+
+def _server(args: Args, log_dir, ready, stop) -> None:
+    from replay.buffer import ReplayBuffer
+    from replay.log import ReplayLog
+    from replay.server import ReplayServer
+
+    log = ReplayLog(log_dir, fsync=args.fsync) if log_dir else None
+    server = ReplayServer(ReplayBuffer(args.batch, max_staleness=1 << 30, capacity_groups=128, log=log),
+                          "tcp://127.0.0.1:*")
+    ready.put(server.start())
+    stop.wait()
+    server.stop()
+
+
+def run_replay(args: Args, durable: bool) -> float:
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Event()
+    log_dir = tempfile.mkdtemp(prefix="tandem-bench-log-") if durable else None
+    server = ctx.Process(target=_server, args=(args, log_dir, ready, stop))
+    server.start()
+    endpoint = ready.get(timeout=60)
+    actors = [ctx.Process(target=_actor, args=(args, endpoint, f"actor-{i}", stop)) for i in range(args.actors)]
+    for p in actors:
+        p.start()
+    from replay.client import ZmqReplayClient
+
+    learner = ZmqReplayClient(endpoint)
+    steps = args.groups // args.batch
+    warm = 5
+    for step in range(steps + warm):
+        if step == warm:
+            t0 = time.perf_counter()
+        groups = learner.sample(step, 0, step, timeout=120)
+        assert len(groups) == args.batch
+        learner.ack(step, 0)
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    for p in actors + [server]:
+        p.join(30)
+    return steps * args.batch / elapsed
+
+
+def _pusher(args: Args, endpoint: str, stop) -> None:
+    import zmq
+
+    from replay.wire import encode_group, pack
+
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(endpoint)
+    frame = pack("push", id=1, group=encode_group(make_group(args, np.random.default_rng(0))))
+    while not stop.is_set():
+        try:
+            sock.send(frame, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            time.sleep(0.001)
+    sock.close(0)
+
+
+def run_raw(args: Args) -> float:
+    import zmq
+
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind("tcp://127.0.0.1:*")
+    endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+    pushers = [ctx.Process(target=_pusher, args=(args, endpoint, stop)) for _ in range(args.actors)]
+    for p in pushers:
+        p.start()
+    for _ in range(5 * args.batch):
+        pull.recv()
+    t0 = time.perf_counter()
+    for _ in range(args.groups):
+        pull.recv()
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    while pull.poll(100):
+        pull.recv()
+    for p in pushers:
+        p.join(30)
+    pull.close(0)
+    return args.groups / elapsed
+
+
+def main(args: Args) -> dict:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    size = len(make_group(args, np.random.default_rng(0)).to_wire()["trajectories"]) * args.tokens * 13
+    raw = run_raw(args)
+    ours = run_replay(args, durable=False)
+    durable = run_replay(args, durable=True)
+    print(f"group: {args.group_size} trajectories x {args.tokens} tokens (~{size / 1024:.0f} KiB), "
+          f"{args.actors} pushing processes, {args.groups} groups per run")
+    print(f"{'path':<34}{'groups/s':>10}{'MB/s':>9}{'ratio':>8}")
+    for name, rate in [("bare ZeroMQ PUSH/PULL", raw), ("replay (credits, acks, batches)", ours),
+                       (f"replay + durable log (fsync={args.fsync})", durable)]:
+        print(f"{name:<34}{rate:>10.0f}{rate * size / 1e6:>9.0f}{rate / raw:>8.2f}")
+    result = {"groups_per_s": round(ours, 1), "raw_groups_per_s": round(raw, 1), "ratio": round(ours / raw, 3),
+              "groups_per_s_durable": round(durable, 1), "ratio_durable": round(durable / raw, 3)}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
