@@ -10,10 +10,21 @@ Design decisions:
   fixed set of 64 distinct tasks from one seed, and the training stream skips
   any task that equals one of them.
 - The observation is the whole grid every turn (small grids keep it short), with
-  a first line that reports what the last move did: `moved`, `wall` (the move
-  ran into a wall or the edge and changed nothing) or `invalid` (no direction
-  could be read). Reporting the bump matters: without it a greedy policy that
-  picks a blocked move once picks it again every turn.
+  a first line that reports what the last move did: `moved`, `wall up` (that
+  move ran into a wall or the edge and changed nothing) or `invalid` (no
+  direction could be read). Reporting the bump, and naming the blocked move,
+  matters: without it a greedy policy that picks a blocked move once sees the
+  same state again and picks it again every turn (measured: every greedy
+  failure of a 44% warm start was such a loop).
+- Two more lines say what a person sees at a glance in the picture: the goal's
+  offset in moves (`goal: up up left`, walls ignored) and the moves that are
+  not blocked (`open: up left`). A tiny model otherwise spends most of its
+  training locating '@', 'G' and the walls next to '@' in a flattened 2D grid
+  (measured: supervised training plateaued near 40% greedy success, every
+  failure a loop of bumps into one wall). With both lines it reaches 35-60% in
+  30-40 steps and 80-87% by 150, and what is left is the real difficulty:
+  detours, which need the grid (following the offset among open moves without
+  turning back solves 95% of mazes; the BFS oracle solves all).
 - Actions are parsed leniently: the first of up/down/left/right (or u/d/l/r,
   n/s/w/e) in any case. Anything else is a wasted move, never an exception.
 - Reward is sparse: 1.0 on reaching the goal within `max_steps` moves, else 0.
@@ -121,6 +132,13 @@ def _maze64_keys(size: int, wall_density: float, min_path: int) -> frozenset[str
     return frozenset(m.key() for m in maze_set(MAZE64_SEED, 64, size, wall_density, min_path))
 
 
+def goal_offset(pos: tuple[int, int], goal: tuple[int, int]) -> str:
+    """The goal's offset from `pos` as moves, vertical first: "up up left" (walls ignored)."""
+    dr, dc = goal[0] - pos[0], goal[1] - pos[1]
+    moves = ["down"] * dr + ["up"] * -dr + ["right"] * dc + ["left"] * -dc
+    return " ".join(moves) or "here"
+
+
 def parse_move(text: str) -> str | None:
     """The first direction named in `text`, or None."""
     for word in _WORD.findall(text.lower()):
@@ -169,7 +187,9 @@ class MazeEnv(TextEnv):
 
     def _observe(self, status: str) -> str:
         assert self.maze is not None
-        return status + "\n" + self.maze.render(self.pos)
+        open_moves = " ".join(m for m, (dr, dc) in MOVES.items() if self.maze.open(self.pos[0] + dr, self.pos[1] + dc))
+        return (f"{status}\ngoal: {goal_offset(self.pos, self.maze.goal)}\nopen: {open_moves or 'none'}\n"
+                f"{self.maze.render(self.pos)}")
 
     def _step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.maze is None:
@@ -184,7 +204,7 @@ class MazeEnv(TextEnv):
             if self.maze.open(*nxt):
                 self.pos, status = nxt, "moved"
             else:
-                status = "wall"
+                status = f"wall {move}"
         reached = self.pos == self.maze.goal
         truncated = not reached and self.steps >= self.max_steps
         info = {"move": move, "status": status, "steps": self.steps}

@@ -40,9 +40,10 @@ def main(cfg: Config) -> int:
     import ray
     import torch
 
-    from launch.monitor import Board, Evaluator, step_scalars
+    from launch.monitor import Board
     from launch.parts import ActorPart, LearnerPart, ReplayPart
 
+    started = time.time()
     logdir = cfg.run_dir
     os.makedirs(logdir, exist_ok=True)
     model_path = resolve_policy(cfg)
@@ -73,12 +74,12 @@ def main(cfg: Config) -> int:
         actors = [Actor.remote(cfg, model_path, i, endpoint, weights, key) for i in range(cfg.actors)]
         runs = [a.run.remote() for a in actors]
         training = [lr.train.remote() for lr in learners]
-        _monitor(cfg, model_path, board, replay, learners[0], training, weights, key)
+        _monitor(cfg, model_path, board, replay, learners, training, weights, key, started)
         for a in actors:
             a.stop.remote()
         ray.get(runs, timeout=120)
         final = board.evals[-1] if board.evals else (0, float("nan"))
-        print(f"done: {cfg.steps} steps in {time.time() - board.t0:.0f}s; maze-64 success "
+        print(f"done: {board.last_step} steps in {time.time() - board.t0:.0f}s; maze-64 success "
               f"{board.evals[0][1]:.1%} (v0) -> {final[1]:.1%} (v{final[0]}); adapter in {logdir}/adapter",
               flush=True)
         return 0
@@ -90,10 +91,10 @@ def main(cfg: Config) -> int:
         ray.shutdown()
 
 
-def _monitor(cfg, model_path, board, replay, learner0, training, weights, key) -> None:
+def _monitor(cfg, model_path, board, replay, learners, training, weights, key, started) -> None:
     import ray
 
-    from launch.monitor import Evaluator, step_scalars
+    from launch.monitor import Evaluator, replay_scalars, step_scalars
     from replay.weights import WeightSubscriber
 
     evaluator = Evaluator(cfg, model_path)
@@ -101,10 +102,17 @@ def _monitor(cfg, model_path, board, replay, learner0, training, weights, key) -
     board.eval(0, evaluator.evaluate())
     last_eval, version, last_print, newest = 0, 0, 0.0, None
     rate_t, rate_n = time.time(), 0
+    limited = False
     try:
         while True:
             done, _ = ray.wait(training, num_returns=len(training), timeout=1.0)
-            for m in ray.get(learner0.drain_metrics.remote()):
+            if cfg.max_minutes and not limited and time.time() - started > 60 * cfg.max_minutes:
+                # Ranks run in lockstep and the driver's view lags by at most a step: two
+                # steps ahead is past every rank, so all of them stop after the same step.
+                ray.get([lr.limit.remote(version + 2) for lr in learners])
+                print(f"time budget of {cfg.max_minutes:g} min spent: stopping at step {version + 2}", flush=True)
+                limited = True
+            for m in ray.get(learners[0].drain_metrics.remote()):
                 version = m["version"]
                 stats = ray.get(replay.snapshot.remote())
                 now, n = time.time(), stats["received_trajectories"]
@@ -112,10 +120,9 @@ def _monitor(cfg, model_path, board, replay, learner0, training, weights, key) -
                 if now > rate_t:
                     scalars["perf/trajectories_per_s"] = (n - rate_n) / (now - rate_t)
                 rate_t, rate_n = now, n
-                scalars.update({"replay/queue_groups": stats["queue_groups"],
-                                "replay/dropped_stale": stats["dropped"].get("stale", 0),
-                                "replay/credit_wait_s": stats["credit_wait_s"]})
+                scalars.update(replay_scalars(stats))
                 board.scalars(version, scalars)
+                board.histogram(version, "replay/staleness_served", stats["staleness_served"])
             if len(done) == len(training):
                 ray.get(training)  # surface a learner's exception
                 final = load_adapter_dir(os.path.join(cfg.run_dir, "adapter"))

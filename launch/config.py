@@ -48,6 +48,9 @@ class Config:
     (generate a batch with the current weights, train on it, push the adapter, repeat)."""
     steps: int = 150
     """Optimizer-step budget: the run ends after this many learner steps."""
+    max_minutes: float = 28.0
+    """Wall-clock budget of the whole run, warm start included (0 = none): when it is spent the
+    learners finish the step they are in, the final adapter is saved and evaluated."""
     logdir: str | None = None
     """Where TensorBoard events and the final adapter go (default runs/<env>-<mode>-<time>)."""
     max_staleness: int = 4
@@ -81,6 +84,8 @@ class Config:
             raise ValueError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
         if self.env not in KNOWN_ENVS:
             raise ValueError(f"unknown --env {self.env!r}; choose one of {', '.join(KNOWN_ENVS)}")
+        if self.max_minutes < 0:
+            raise ValueError(f"--max-minutes must be 0 (no limit) or positive, got {self.max_minutes}")
         if self.eval_every < 1 or self.eval_episodes < 1:
             raise ValueError("--eval-every and --eval-episodes must be at least 1")
         if self.learner.groups_per_step % self.learners:

@@ -55,11 +55,25 @@ class Board:
         self.t0 = time.time()
         self.last: dict[str, float] = {}
         self.evals: list[tuple[int, float]] = []
+        self.steps_seen: set[int] = set()
+
+    @property
+    def last_step(self) -> int:
+        return max(self.steps_seen, default=0)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.steps_seen.add(step)
         for k, v in values.items():
             self.writer.add_scalar(k, v, step)
             self.last[k] = v
+
+    def histogram(self, step: int, tag: str, counts: dict[str, int]) -> None:
+        """A histogram from {value: count} (e.g. staleness of served groups)."""
+        import numpy as np
+
+        if counts:
+            values = np.repeat([float(k) for k in counts], [int(v) for v in counts.values()])
+            self.writer.add_histogram(tag, values, step)
 
     def eval(self, version: int, result: dict[str, float]) -> None:
         self.scalars(version, {f"eval/{k}": v for k, v in result.items()})
@@ -96,4 +110,18 @@ def step_scalars(m: dict) -> dict[str, float]:
         "perf/learner_idle_fraction": m["idle_fraction"], "perf/learner_train_s": m["train_s"],
         "perf/learner_wait_s": m["wait_s"], "perf/adapter_bytes": m["adapter_bytes"],
     }
+    return out
+
+
+def replay_scalars(stats: dict) -> dict[str, float]:
+    """TensorBoard names for the replay service's counters."""
+    out = {
+        "replay/queue_groups": stats["queue_groups"], "replay/stored_mb": stats["stored_bytes"] / 1e6,
+        "replay/groups_in": stats["received_groups"], "replay/groups_out": stats["served_groups"],
+        "replay/mb_in": stats["received_bytes"] / 1e6, "replay/mb_out": stats["served_bytes"] / 1e6,
+        "replay/duplicates": stats["duplicates"], "replay/malformed_frames": stats["malformed_frames"],
+        "replay/credit_wait_s": stats["credit_wait_s"], "replay/in_flight": stats["in_flight"],
+    }
+    for reason in ("stale", "zero_variance"):
+        out[f"replay/dropped_{reason}"] = stats["dropped"].get(reason, 0)
     return out

@@ -71,6 +71,9 @@ class LearnerPart:
     def drain_metrics(self) -> list[dict]:
         return self.learner.drain_metrics()
 
+    def limit(self, steps: int) -> None:
+        self.learner.limit(steps)
+
 
 class ActorPart:
     def __init__(self, cfg: Config, model_path: str, index: int, replay_endpoint: str,

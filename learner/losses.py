@@ -50,10 +50,29 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # [B, T]
 
 
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """Reduce [B, T] per-token terms to a scalar.
+
+    token_mean: Σ_bt x·m / Σ_bt m (every token weighs the same; DAPO).
+    seq_mean_token_mean: (1/B) Σ_b (Σ_t x·m / Σ_t m) (every trajectory weighs the same;
+    the GRPO paper's form). On multi-turn tasks where failures run to the step
+    limit, token_mean lets long failures outweigh short successes.
+    """
+    if how == "token_mean":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if how == "seq_mean_token_mean":
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1.0)).mean()
+    raise ValueError(f"unknown loss aggregation {how!r}; choose one of {AGGREGATIONS}")
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
                 advantages: torch.Tensor, mask: torch.Tensor, clip_low: float = 0.2,
-                clip_high: float = 0.28, is_cap: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate with truncated importance weights; token-mean over the batch.
+                clip_high: float = 0.28, is_cap: float = 2.0,
+                aggregation: str = "token_mean") -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate with truncated importance weights, aggregated over the batch.
 
     logprobs: [B, T] log π_θ (with grad); old_logprobs: [B, T] log π_old;
     behaviour_logprobs: [B, T] log μ; advantages: [B]; mask: [B, T] 1 on trained tokens.
@@ -66,7 +85,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behaviour_lo
     surrogate = torch.minimum(ratio * adv, clipped * adv)  # [B, T]
     log_w = (old_logprobs - behaviour_logprobs).detach()  # log π_old/μ
     is_weight = torch.exp(log_w).clamp(max=is_cap) if is_cap > 0 else torch.ones_like(log_w)
-    loss = -(is_weight * surrogate * mask).sum() / n
+    loss = -aggregate(is_weight * surrogate, mask, aggregation)
     with torch.no_grad():
         m = mask.bool()
         w = is_weight[m] if m.any() else torch.zeros(1)

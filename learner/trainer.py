@@ -38,6 +38,9 @@ class LearnerConfig:
     is_cap: float = 2.0
     """Truncation C of the importance weight min(π_old/μ, C) that corrects for stale or
     mismatched behaviour log-probs; 0 turns the correction off."""
+    aggregation: str = "seq_mean_token_mean"
+    """Loss aggregation: "seq_mean_token_mean" (each trajectory weighs the same, as in the GRPO
+    paper) or "token_mean" (each token weighs the same, as in DAPO)."""
     normalize_std: bool = True
     """Divide advantages by the group's reward std (GRPO); off gives Dr.GRPO."""
     max_grad_norm: float = 1.0
@@ -61,6 +64,10 @@ class LearnerConfig:
             raise ValueError("--learner.clip-low must be in [0, 1) and --learner.clip-high ≥ 0")
         if self.micro_batch < 1:
             raise ValueError(f"--learner.micro-batch must be at least 1, got {self.micro_batch}")
+        from learner.losses import AGGREGATIONS
+
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"--learner.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--learner.device must be auto, cpu or cuda, got {self.device!r}")
 
@@ -139,22 +146,40 @@ class Learner:
         batch = collate(groups, self.version, self.pad_id, self.cfg.normalize_std)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        n_tokens = float(batch.mask.sum())
+        # Trajectories with zero advantage (their group's rewards were all equal) add nothing
+        # to the gradient: skip their forward pass. Every rank still runs at least one
+        # micro-batch, since FSDP's collectives need all ranks.
+        live = (batch.advantages.abs() > 1e-8).nonzero().flatten().tolist() or [0]
+        live.sort(key=lambda i: int(batch.attention[i].sum()))  # similar lengths share a micro-batch
+        size = self.cfg.micro_batch
+        chunks = [live[i:i + size] for i in range(0, len(live), size)]
+        weights = self._weights(batch, chunks)
+        # FSDP's collectives run once per forward/backward, so every rank must run as many
+        # micro-batches as the busiest one; the extra ones carry zero weight.
+        count = torch.tensor([len(chunks)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        while len(chunks) < int(count):
+            chunks.append(chunks[0][:1])
+            weights.append(0.0)
         parts: dict[str, float] = {}
-        n = batch.tokens.shape[0]
-        for lo in range(0, n, self.cfg.micro_batch):
-            sl = slice(lo, lo + self.cfg.micro_batch)
-            tokens = batch.tokens[sl].to(self.device)
-            logits = self.model(input_ids=tokens, attention_mask=batch.attention[sl].to(self.device)).logits
+        for chunk, share in zip(chunks, weights):
+            rows = torch.tensor(chunk)
+            width = int(batch.attention[rows].sum(1).max())
+            tokens = batch.tokens[rows, :width].to(self.device)
+            logits = self.model(input_ids=tokens, attention_mask=batch.attention[rows, :width].to(self.device)).logits
             logp = token_logprobs(logits, tokens, self.temperature)  # [b, T]
-            mask = batch.mask[sl].to(self.device)
-            loss, m = policy_loss(logp, logp.detach(), batch.behaviour[sl].to(self.device),
-                                  batch.advantages[sl].to(self.device), mask,
-                                  self.cfg.clip_low, self.cfg.clip_high, self.cfg.is_cap)
-            share = float(mask.sum()) / max(n_tokens, 1.0)  # token-mean over the whole rank batch
+            mask = batch.mask[rows, :width].to(self.device)
+            advantages = batch.advantages[rows].to(self.device)
+            if share == 0.0 or not (advantages.abs() > 1e-8).any():
+                mask = mask * 0  # a padding micro-batch: it takes part in the collectives only
+            loss, m = policy_loss(logp, logp.detach(), batch.behaviour[rows, :width].to(self.device),
+                                  advantages, mask, self.cfg.clip_low, self.cfg.clip_high, self.cfg.is_cap,
+                                  self.cfg.aggregation)
             (loss * share).backward()
             for k, v in m.items():
                 parts[k] = parts.get(k, 0.0) + v * share if k != "is_weight_max" else max(parts.get(k, 0.0), v)
+        n = batch.tokens.shape[0]
+        n_tokens = float(batch.mask.sum())
         grad_norm = 0.0
         if self.cfg.max_grad_norm > 0:
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -187,6 +212,14 @@ class Learner:
             self.metrics.append(out)
         return out
 
+    def _weights(self, batch, chunks: list[list[int]]) -> list[float]:
+        """Each micro-batch's share of the rank's loss, so that accumulation equals one big batch
+        (tokens for token_mean, trajectories for seq_mean_token_mean), over all B trajectories."""
+        if self.cfg.aggregation == "token_mean":
+            total = float(batch.mask.sum()) or 1.0
+            return [float(batch.mask[c].sum()) / total for c in chunks]
+        return [len(c) / batch.tokens.shape[0] for c in chunks]
+
     def _adapter_tensors(self) -> dict:
         """The full adapter on every rank (all ranks must call: gathering is collective)."""
         from peft import get_peft_model_state_dict
@@ -204,12 +237,19 @@ class Learner:
 
     # -- driving ----------------------------------------------------------------
     def run(self, steps: int, stop: threading.Event | None = None, save_dir=None) -> int:
-        """Train until `steps` optimizer steps in total or `stop`; returns the final version."""
-        while self.version < steps and not (stop and stop.is_set()):
+        """Train until `steps` optimizer steps in total (or fewer, see `limit`) or `stop`;
+        returns the final version."""
+        self.target = min(steps, getattr(self, "target", steps))
+        while self.version < self.target and not (stop and stop.is_set()):
             self.step()
             if save_dir is not None and self.cfg.save_every and self.version % self.cfg.save_every == 0:
                 self.save_to(save_dir)
         return self.version
+
+    def limit(self, steps: int) -> None:
+        """End training at `steps` at the latest. Every rank must get the same number, larger
+        than any rank's current version, so that all stop after the same step."""
+        self.target = min(steps, getattr(self, "target", steps))
 
     def drain_metrics(self) -> list[dict]:
         with self._lock:

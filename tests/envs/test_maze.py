@@ -18,13 +18,13 @@ def corridor() -> Maze:
 def test_moves_walls_and_goal():
     env = MazeEnv(size=3, max_steps=10)
     obs, info = env.reset(options={"maze": corridor()})
-    assert obs == [{"role": "user", "content": "start\n@.#\n#.G"}]
+    assert obs == [{"role": "user", "content": "start\ngoal: down right right\nopen: right\n@.#\n#.G"}]
     assert info["optimal_steps"] == 3
     obs, r, term, trunc, info = env.step("down")  # into a wall: nothing changes
-    assert (r, term, trunc, info["status"]) == (0.0, False, False, "wall")
-    assert obs[0]["content"] == "wall\n@.#\n#.G"
+    assert (r, term, trunc, info["status"]) == (0.0, False, False, "wall down")
+    assert obs[0]["content"] == "wall down\ngoal: down right right\nopen: right\n@.#\n#.G"
     obs, r, term, trunc, _ = env.step("right")
-    assert obs[0]["content"] == "moved\n.@#\n#.G" and r == 0.0
+    assert obs[0]["content"] == "moved\ngoal: down right\nopen: down left\n.@#\n#.G" and r == 0.0
     env.step("down")
     obs, r, term, trunc, _ = env.step("RIGHT!")
     assert (r, term, trunc) == (1.0, True, False)
@@ -43,7 +43,8 @@ def test_unparseable_answers_are_wasted_moves(text):
     env = MazeEnv(size=3, max_steps=5)
     env.reset(options={"maze": corridor()})
     obs, r, term, trunc, info = env.step(text)
-    assert info["status"] == "invalid" and obs[0]["content"].startswith("invalid\n@")
+    assert info["status"] == "invalid" and obs[0]["content"].startswith("invalid\ngoal: down right right")
+    assert obs[0]["content"].endswith("@.#\n#.G")
 
 
 def test_non_text_action_is_a_clear_error():
@@ -82,7 +83,8 @@ def test_maze64_is_fixed_distinct_solvable_and_held_out():
 
 def test_training_distribution_has_over_ten_thousand_distinct_mazes():
     rng = np.random.default_rng(0)
-    seen = {generate(rng, 5, 0.3, 3).key() for _ in range(12_000)}
+    env = MazeEnv()
+    seen = {generate(rng, env.size, env.wall_density, env.min_path).key() for _ in range(12_000)}
     assert len(seen) > 10_000
 
 
