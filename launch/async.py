@@ -43,6 +43,9 @@ def main(cfg: Config) -> int:
     from launch.monitor import Board
     from launch.parts import ActorPart, LearnerPart, ReplayPart
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     started = time.time()
     logdir = cfg.run_dir
     os.makedirs(logdir, exist_ok=True)

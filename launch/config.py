@@ -53,7 +53,7 @@ class Config:
     learners finish the step they are in, the final adapter is saved and evaluated."""
     logdir: str | None = None
     """Where TensorBoard events and the final adapter go (default runs/<env>-<mode>-<time>)."""
-    max_staleness: int = 4
+    max_staleness: int = 1
     """Staleness bound η: no group trained on is more than η policy versions old (forced to 0 by --colocate)."""
     model: str = "builtin:maze"
     """Policy: "builtin:maze" (tiny model after the maze warm start, built locally on first use),

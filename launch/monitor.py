@@ -104,7 +104,7 @@ def step_scalars(m: dict) -> dict[str, float]:
         "learner/loss": m["loss"], "learner/grad_norm": m["grad_norm"],
         "learner/clip_fraction": m["clip_fraction"], "learner/is_weight_mean": m["is_weight_mean"],
         "learner/is_weight_max": m["is_weight_max"], "learner/mismatch_kl": m["mismatch_kl"],
-        "learner/neg_logprob_mean": m["entropy_proxy"],
+        "learner/neg_logprob_mean": m["entropy_proxy"], "learner/trained_fraction": m["trained_fraction"],
         "rollout/reward_mean": m["reward_mean"], "rollout/seq_len_mean": m["seq_len_mean"],
         "async/staleness_mean": m["staleness_mean"], "async/staleness_max": m["staleness_max"],
         "perf/learner_idle_fraction": m["idle_fraction"], "perf/learner_train_s": m["train_s"],

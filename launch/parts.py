@@ -15,9 +15,11 @@ from launch.config import Config
 
 def _threads(n: int) -> None:
     import torch
+    from transformers.utils import logging
 
     torch.set_num_threads(n)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.disable_progress_bar()
 
 
 class ReplayPart:

@@ -25,7 +25,7 @@ from policy.load import LoraSpec
 class LearnerConfig:
     """The learner (FSDP ranks, LoRA, GRPO)."""
 
-    lr: float = 2e-3
+    lr: float = 1.5e-3
     """AdamW learning rate for the LoRA weights."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -178,6 +178,10 @@ class Learner:
             (loss * share).backward()
             for k, v in m.items():
                 parts[k] = parts.get(k, 0.0) + v * share if k != "is_weight_max" else max(parts.get(k, 0.0), v)
+        total_share = sum(weights) or 1.0
+        parts = {k: (v if k == "is_weight_max" else v / total_share) for k, v in parts.items()}
+        parts["loss"] *= total_share  # the loss itself is over the whole batch, as optimized
+        parts["trained_fraction"] = len(live) / batch.tokens.shape[0]
         n = batch.tokens.shape[0]
         n_tokens = float(batch.mask.sum())
         grad_norm = 0.0

@@ -77,3 +77,16 @@ def test_collate_pads_and_computes_per_group_advantages():
     assert b.tokens.shape == (4, 7) and int(b.attention[0].sum()) == 5
     torch.testing.assert_close(b.advantages, torch.tensor([1.0, -1.0, 0.0, 0.0]), atol=1e-5, rtol=0)
     torch.testing.assert_close(b.staleness, torch.tensor([2.0, 2.0, 1.0, 1.0]))
+
+
+def test_sequence_mean_weighs_every_trajectory_the_same():
+    from learner.losses import aggregate
+
+    x = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    # token_mean: (1 + 1 + 1 + 1 + 4) / 5 tokens = 1.6
+    assert float(aggregate(x, mask, "token_mean")) == pytest.approx(1.6)
+    # seq_mean_token_mean: (4/4 + 4/1) / 2 trajectories = 2.5
+    assert float(aggregate(x, mask, "seq_mean_token_mean")) == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="aggregation"):
+        aggregate(x, mask, "sum")
