@@ -98,9 +98,9 @@ class TorchEngine:
         from peft import set_peft_model_state_dict
 
         result = set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in tensors.items()})
-        missing = [k for k in result.unexpected_keys]
-        if missing:
-            raise ValueError(f"adapter v{version} has tensors this model lacks: {missing[:3]}")
+        unexpected = list(result.unexpected_keys)
+        if unexpected:
+            raise ValueError(f"adapter v{version} has tensors this model lacks: {unexpected[:3]}")
         self.version = version
         self._reset_cache()  # cached keys/values came from the old weights
 
