@@ -14,8 +14,6 @@ from actors.actor import ActorConfig
 from learner.trainer import LearnerConfig
 from replay.server import ReplayConfig
 
-KNOWN_ENVS = ("maze",)
-
 
 @dataclass
 class MazeConfig:
@@ -29,10 +27,76 @@ class MazeConfig:
     """Shortest path length (moves) below which a maze is redrawn."""
     max_steps: int = 12
     """Moves allowed before the episode is truncated (reward 0)."""
+    curriculum: str = ""
+    """Maze sizes by policy version, e.g. "3@0,4@20,5@50" (size 3 from version 0, 4 from 20, ...);
+    empty: always --maze.size. Evaluation uses --maze.size."""
 
     def kwargs(self) -> dict:
         return {"size": self.size, "wall_density": self.wall_density, "min_path": self.min_path,
-                "max_steps": self.max_steps}
+                "max_steps": self.max_steps, "curriculum": self.curriculum}
+
+
+@dataclass
+class CountdownConfig:
+    """Countdown (used when --env countdown): make the target from the numbers with + - * /."""
+
+    n_numbers: int = 4
+    """Numbers per puzzle (each used exactly once)."""
+    max_number: int = 25
+    """Numbers are drawn from 1 to this."""
+    max_target: int = 999
+    """Largest target."""
+    max_attempts: int = 3
+    """Answers allowed (each wrong one gets feedback)."""
+
+    def kwargs(self) -> dict:
+        return {"n_numbers": self.n_numbers, "max_number": self.max_number, "max_target": self.max_target,
+                "max_attempts": self.max_attempts}
+
+
+@dataclass
+class SqlConfig:
+    """Text-to-SQL (used when --env sql) on the built-in company database."""
+
+    max_turns: int = 5
+    """Turns (queries and the answer) per episode."""
+    time_limit_s: float = 1.0
+    """Time limit of one query."""
+    max_rows: int = 10
+    """Rows shown for an exploratory query."""
+
+    def kwargs(self) -> dict:
+        return {"max_turns": self.max_turns, "time_limit_s": self.time_limit_s, "max_rows": self.max_rows}
+
+
+@dataclass
+class CalculatorConfig:
+    """Tool use (used when --env calculator): word problems with a calculator tool."""
+
+    max_turns: int = 4
+    """Turns (calculator calls and the answer) per episode."""
+    max_chars: int = 200
+    """Longest expression the calculator accepts."""
+    time_limit_s: float = 0.1
+    """Time limit of one calculation."""
+
+    def kwargs(self) -> dict:
+        return {"max_turns": self.max_turns, "max_chars": self.max_chars, "time_limit_s": self.time_limit_s}
+
+
+@dataclass
+class SkyrlConfig:
+    """skyrl-gym environments (used when --env skyrl:<id>, e.g. skyrl:gsm8k)."""
+
+    tasks: str = ""
+    """Task rows in SkyRL's dataset format: a local JSONL or Parquet file (required)."""
+    eval_file: str = ""
+    """Evaluation rows (default: 64 rows held out of --skyrl.tasks)."""
+    env_config: str = "{}"
+    """The environment's env_config, as JSON."""
+
+    def kwargs(self) -> dict:
+        return {"tasks": self.tasks, "eval_file": self.eval_file, "env_config": self.env_config}
 
 
 @dataclass
@@ -55,11 +119,20 @@ class Config:
     """Where TensorBoard events and the final adapter go (default runs/<env>-<mode>-<time>)."""
     max_staleness: int = 1
     """Staleness bound η: no group trained on is more than η policy versions old (forced to 0 by --colocate)."""
-    model: str = "builtin:maze"
+    algo: str = "grpo"
+    """Advantage estimator: "grpo" (group-normalised; --learner.no-normalize-std gives Dr.GRPO),
+    "rloo" (leave-one-out baseline) or "ppo" (a critic with its own LoRA adapter, GAE)."""
+    correction: str = "tis"
+    """Staleness / mismatch correction against the behaviour log-probs μ: "none" (PPO around μ),
+    "tis" (token-level truncated IS, min(π_old/μ, C)), "seq-tis" (sequence-level), "geo-mask"
+    (drop trajectories whose geometric-mean ratio is off), "decoupled" (AReaL's decoupled PPO)."""
+    model: str = "auto"
     """Policy: "builtin:maze" (tiny model after the maze warm start, built locally on first use),
-    "builtin:tiny" (untrained), a local Hugging Face checkpoint path, or a Hub id."""
+    "builtin:tiny" (untrained), a local Hugging Face checkpoint path, or a Hub id. "auto" is
+    builtin:maze for --env maze and builtin:tiny for any other environment."""
     env: str = "maze"
-    """Environment to train on."""
+    """Environment to train on: maze, countdown, sql, calculator, skyrl:<id> (a skyrl-gym
+    environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
     seed: int = 0
     """Seed for task sampling, the engines' samplers and adapter initialisation."""
     ray_address: str | None = None
@@ -72,6 +145,10 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     maze: MazeConfig = field(default_factory=MazeConfig)
+    countdown: CountdownConfig = field(default_factory=CountdownConfig)
+    sql: SqlConfig = field(default_factory=SqlConfig)
+    calculator: CalculatorConfig = field(default_factory=CalculatorConfig)
+    skyrl: SkyrlConfig = field(default_factory=SkyrlConfig)
 
     def __post_init__(self) -> None:
         if self.actors < 1:
@@ -82,8 +159,15 @@ class Config:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
         if self.max_staleness < 0:
             raise ValueError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
-        if self.env not in KNOWN_ENVS:
-            raise ValueError(f"unknown --env {self.env!r}; choose one of {', '.join(KNOWN_ENVS)}")
+        from learner.losses import ALGOS, CORRECTIONS
+
+        if self.algo not in ALGOS:
+            raise ValueError(f"unknown --algo {self.algo!r}; choose one of {', '.join(ALGOS)}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"unknown --correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
+        self._check_env()
+        if self.model == "auto":
+            self.model = "builtin:maze" if self.env == "maze" else "builtin:tiny"
         if self.max_minutes < 0:
             raise ValueError(f"--max-minutes must be 0 (no limit) or positive, got {self.max_minutes}")
         if self.eval_every < 1 or self.eval_episodes < 1:
@@ -102,8 +186,34 @@ class Config:
     def run_dir(self) -> str:
         if self.logdir is None:  # fixed once, on first use
             mode = "colocate" if self.colocate else "async"
-            self.logdir = f"runs/{self.env}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+            env = self.env.replace(":", "-").replace("/", "-")
+            self.logdir = f"runs/{env}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
         return self.logdir
 
+    def _check_env(self) -> None:
+        import json
+        import os
+
+        from envs import env_entry
+
+        try:
+            env_entry(self.env)
+        except ValueError as exc:
+            raise ValueError(f"--env: {exc}") from None
+        if self.env.startswith("skyrl:"):
+            if not self.skyrl.tasks:
+                raise ValueError(f"--env {self.env} needs --skyrl.tasks: a JSONL or Parquet file of task rows")
+            for flag, path in (("--skyrl.tasks", self.skyrl.tasks), ("--skyrl.eval-file", self.skyrl.eval_file)):
+                if path and not os.path.isfile(path):
+                    raise ValueError(f"{flag} {path!r}: no such file")
+            try:
+                json.loads(self.skyrl.env_config)
+            except ValueError:
+                raise ValueError(f"--skyrl.env-config must be JSON, got {self.skyrl.env_config!r}") from None
+
     def env_kwargs(self) -> dict:
-        return self.maze.kwargs() if self.env == "maze" else {}
+        """Constructor arguments of --env from its section (--maze.*, --sql.*, ...)."""
+        name = "skyrl" if self.env.startswith("skyrl:") else self.env
+        section = {"maze": self.maze, "countdown": self.countdown, "sql": self.sql,
+                   "calculator": self.calculator, "skyrl": self.skyrl}.get(name)
+        return section.kwargs() if section is not None else {}

@@ -104,12 +104,29 @@ def step_scalars(m: dict) -> dict[str, float]:
         "learner/loss": m["loss"], "learner/grad_norm": m["grad_norm"],
         "learner/clip_fraction": m["clip_fraction"], "learner/is_weight_mean": m["is_weight_mean"],
         "learner/is_weight_max": m["is_weight_max"], "learner/mismatch_kl": m["mismatch_kl"],
-        "learner/neg_logprob_mean": m["entropy_proxy"], "learner/trained_fraction": m["trained_fraction"],
+        "learner/entropy": m["entropy"], "learner/masked_fraction": m["masked_fraction"],
+        "learner/policy_loss": m["policy_loss"], "learner/trained_fraction": m["trained_fraction"],
         "rollout/reward_mean": m["reward_mean"], "rollout/seq_len_mean": m["seq_len_mean"],
         "async/staleness_mean": m["staleness_mean"], "async/staleness_max": m["staleness_max"],
         "perf/learner_idle_fraction": m["idle_fraction"], "perf/learner_train_s": m["train_s"],
         "perf/learner_wait_s": m["wait_s"], "perf/adapter_bytes": m["adapter_bytes"],
     }
+    optional = {"kl_ref": "learner/kl_ref", "value_loss": "critic/value_loss",
+                "explained_variance": "critic/explained_variance", "value_clip_fraction": "critic/clip_fraction",
+                "critic_grad_norm": "critic/grad_norm"}
+    out.update({tag: m[k] for k, tag in optional.items() if k in m})
+    return out
+
+
+FINISH_REASONS = ("terminated", "truncated", "length", "env_error")
+
+
+def actor_scalars(stats: list[dict]) -> dict[str, float]:
+    """TensorBoard names for the actors' counters, summed over actors: episodes by finish
+    reason (env_error: the environment raised or ran past --actor.env-timeout-s)."""
+    out = {f"rollout/finished_{r}": float(sum(s.get(f"finish/{r}", 0) for s in stats)) for r in FINISH_REASONS}
+    out["rollout/env_errors"] = out["rollout/finished_env_error"]
+    out["rollout/env_calls_abandoned"] = float(sum(s.get("env_abandoned", 0) for s in stats))
     return out
 
 

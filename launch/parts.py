@@ -53,7 +53,7 @@ class LearnerPart:
         self.cfg = cfg
         self.learner = Learner(cfg.learner, model_path, rank, cfg.learners, dist_url,
                                ZmqReplayClient(replay_endpoint, key=key), temperature=cfg.actor.temperature,
-                               host=cfg.replay.host, key=key)
+                               host=cfg.replay.host, key=key, algo=cfg.algo, correction=cfg.correction)
 
     def setup(self):
         return self.learner.setup()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from learner.losses import grpo_advantages
+from learner.losses import group_advantages
 from replay.wire import Group
 
 
@@ -17,12 +17,15 @@ class Batch:
     attention: torch.Tensor    # [B, T] 1 on real tokens
     mask: torch.Tensor         # [B, T] 1 on trained (model) tokens
     behaviour: torch.Tensor    # [B, T] log μ
-    advantages: torch.Tensor   # [B]
+    advantages: torch.Tensor   # [B] (group estimators; zeros for ppo)
     rewards: torch.Tensor      # [B]
     staleness: torch.Tensor    # [B] learner version − trajectory version
 
 
-def collate(groups: list[Group], version: int, pad_id: int, normalize_std: bool = True) -> Batch:
+def collate(groups: list[Group], version: int, pad_id: int, normalize_std: bool = True,
+            algo: str = "grpo") -> Batch:
+    """Pad the groups' trajectories into one batch; for grpo and rloo, compute each
+    trajectory's advantage within its group (ppo's come from the critic, later: zeros here)."""
     trajs = [t for g in groups for t in g.trajectories]
     width = max(len(t.tokens) for t in trajs)
     n = len(trajs)
@@ -36,7 +39,11 @@ def collate(groups: list[Group], version: int, pad_id: int, normalize_std: bool 
         mask[i, :k], behaviour[i, :k] = t.mask, t.logprobs
     # Groups may differ in size (a failed environment shortens none, but a user's actor may);
     # advantages are computed group by group.
-    advantages = torch.cat([grpo_advantages(torch.tensor(g.rewards)[None], normalize_std)[0] for g in groups])
+    if algo == "ppo":
+        advantages = torch.zeros(n)
+    else:
+        advantages = torch.cat([group_advantages(torch.tensor(g.rewards)[None], algo, normalize_std)[0]
+                                for g in groups])
     return Batch(tokens=torch.from_numpy(tokens), attention=torch.from_numpy(attention),
                  mask=torch.from_numpy(mask), behaviour=torch.from_numpy(behaviour),
                  advantages=advantages.float(),

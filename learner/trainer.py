@@ -1,11 +1,23 @@
-"""The learner: FSDP2 over N ranks training a LoRA policy with GRPO.
+"""The learner: FSDP2 over N ranks training a LoRA policy (GRPO, RLOO or PPO with a critic).
 
 Each rank is one process. Ranks join one torch.distributed group (gloo on CPU,
 NCCL on GPU), shard the model with `fully_shard` (one unit per decoder layer,
 then the root), and pull disjoint shards of every step's batch from replay.
 After each optimizer step all ranks gather the adapter (`full_tensor()` is a
 collective) and rank 0 publishes it as policy version v + 1. The reference
-policy, when a loss needs it, is the same model with the adapter disabled.
+policy, when a loss needs it, is the same model with the adapter disabled
+(PEFT's `disable_adapter()`), so there is no second copy in memory.
+
+A step: sample the batch; compute start-of-step quantities (π_old when there are
+several mini-batches, V_old and GAE advantages for PPO) without grad; then for
+each mini-batch accumulate micro-batch gradients and take one optimizer step.
+The losses themselves are the pure functions of learner/losses.py.
+
+PPO's critic is a second LoRA adapter ("critic") on the same frozen base plus a
+linear value head on the last hidden state, its own FSDP unit. The critic's
+forward routes the LoRA layers through its adapter; only the policy adapter
+("default") is gathered and published. Policy and critic gradients are clipped
+separately, so a large value loss cannot shrink the policy's step.
 
 Shutdown is deliberate: the weight publisher's thread is joined and the process
 group destroyed in `close()`, otherwise gloo aborts the process at exit.
@@ -16,14 +28,19 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from policy.load import LoraSpec
 
+POLICY, CRITIC = "default", "critic"
+"""PEFT adapter names: the policy (published to actors) and PPO's critic (never published)."""
+
 
 @dataclass
 class LearnerConfig:
-    """The learner (FSDP ranks, LoRA, GRPO)."""
+    """The learner (FSDP ranks, LoRA, losses). The algorithm and the correction are the
+    headline flags --algo and --correction."""
 
     lr: float = 1.5e-3
     """AdamW learning rate for the LoRA weights."""
@@ -31,20 +48,50 @@ class LearnerConfig:
     """AdamW weight decay."""
     groups_per_step: int = 16
     """Groups (tasks) per optimizer step, across all ranks (B)."""
+    mini_batches: int = 1
+    """Optimizer updates per batch (PPO's mini-batches); the policy version still advances once per
+    batch. Above 1, π_old needs its own forward pass at the start of the step."""
     clip_low: float = 0.2
     """PPO clip ε_low: the ratio is kept above 1 − ε_low."""
     clip_high: float = 0.28
     """PPO clip ε_high (clip-higher): the ratio is kept below 1 + ε_high."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (0 = off)."""
     is_cap: float = 2.0
-    """Truncation C of the importance weight min(π_old/μ, C) that corrects for stale or
-    mismatched behaviour log-probs; 0 turns the correction off."""
+    """C of the corrections: tis and seq-tis clamp the weight π_old/μ at C, decoupled drops tokens
+    whose π_prox/μ exceeds C (--correction none turns correction off)."""
+    geo_bound: float = 1.1
+    """geo-mask keeps a trajectory when the geometric mean of π_old/μ over its tokens is in
+    [1/geo_bound, geo_bound]."""
     aggregation: str = "seq_mean_token_mean"
     """Loss aggregation: "seq_mean_token_mean" (each trajectory weighs the same, as in the GRPO
-    paper) or "token_mean" (each token weighs the same, as in DAPO)."""
+    paper), "token_mean" (each token weighs the same, as in DAPO) or "seq_mean_token_sum_norm"
+    (token sums over a constant --learner.norm-length, as in Dr.GRPO)."""
+    norm_length: int = 1024
+    """The constant length L of seq_mean_token_sum_norm."""
     normalize_std: bool = True
-    """Divide advantages by the group's reward std (GRPO); off gives Dr.GRPO."""
+    """Divide GRPO advantages by the group's reward std; off gives Dr.GRPO."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference policy (the model with the adapter disabled) in the loss
+    (0 = off, no reference forward pass)."""
+    kl_estimator: str = "k3"
+    """KL estimator of the reference term: "k1", "k2" or "k3"."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (0 = off; entropy is still reported)."""
+    gamma: float = 1.0
+    """PPO: discount per action token in GAE."""
+    lam: float = 0.95
+    """PPO: GAE λ."""
+    value_clip: float = 0.2
+    """PPO: the value prediction is clipped to V_old ± this (0 = off)."""
+    vf_coef: float = 0.5
+    """PPO: weight of the value loss."""
+    critic_lr: float = 1e-3
+    """PPO: AdamW learning rate of the critic (its LoRA adapter and value head)."""
+    whiten_advantages: bool = True
+    """PPO: normalise GAE advantages to mean 0, std 1 over each rank's action tokens."""
     max_grad_norm: float = 1.0
-    """Gradient clipping by global norm (0 = off)."""
+    """Gradient clipping by global norm, policy and critic separately (0 = off)."""
     micro_batch: int = 64
     """Trajectories per forward/backward pass on a rank (gradient accumulation above it)."""
     lora: LoraSpec = field(default_factory=LoraSpec)
@@ -56,18 +103,35 @@ class LearnerConfig:
     """Save the adapter under --logdir every this many steps (0 = only at the end)."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"--learner.lr must be positive, got {self.lr}")
+        from learner.losses import AGGREGATIONS, KL_ESTIMATORS
+
+        if self.lr <= 0 or self.critic_lr <= 0:
+            raise ValueError(f"--learner.lr and --learner.critic-lr must be positive, got {self.lr}, {self.critic_lr}")
         if self.groups_per_step < 1:
             raise ValueError(f"--learner.groups-per-step must be at least 1, got {self.groups_per_step}")
+        if self.mini_batches < 1:
+            raise ValueError(f"--learner.mini-batches must be at least 1, got {self.mini_batches}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError("--learner.clip-low must be in [0, 1) and --learner.clip-high ≥ 0")
+        if self.dual_clip != 0 and self.dual_clip <= 1:
+            raise ValueError(f"--learner.dual-clip must be 0 (off) or above 1, got {self.dual_clip}")
+        if self.is_cap <= 0:
+            raise ValueError(f"--learner.is-cap must be positive, got {self.is_cap}; "
+                             "use --correction none to turn the correction off")
+        if self.geo_bound <= 1:
+            raise ValueError(f"--learner.geo-bound must be above 1, got {self.geo_bound}")
         if self.micro_batch < 1:
             raise ValueError(f"--learner.micro-batch must be at least 1, got {self.micro_batch}")
-        from learner.losses import AGGREGATIONS
-
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"--learner.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.norm_length < 1:
+            raise ValueError(f"--learner.norm-length must be at least 1, got {self.norm_length}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"--learner.kl-estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
+            raise ValueError("--learner.kl-coef, --learner.entropy-coef and --learner.vf-coef must be ≥ 0")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"--learner.gamma and --learner.lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--learner.device must be auto, cpu or cuda, got {self.device!r}")
 
@@ -77,7 +141,7 @@ class Learner:
 
     Usage (every rank, each in its own process)::
 
-        learner = Learner(cfg, model_path, rank, world, "tcp://127.0.0.1:29500", replay)
+        learner = Learner(cfg, model_path, rank, world, "tcp://127.0.0.1:29500", replay, algo="ppo")
         endpoints = learner.setup()     # rank 0: the weight channel's endpoints
         for _ in range(steps):
             metrics = learner.step()
@@ -86,12 +150,20 @@ class Learner:
     """
 
     def __init__(self, cfg: LearnerConfig, model_path: str, rank: int, world: int, dist_url: str,
-                 replay, temperature: float = 1.0, host: str = "127.0.0.1", key: bytes | None = None) -> None:
+                 replay, temperature: float = 1.0, host: str = "127.0.0.1", key: bytes | None = None,
+                 algo: str = "grpo", correction: str = "tis") -> None:
+        from learner.losses import ALGOS, CORRECTIONS
+
+        if algo not in ALGOS:
+            raise ValueError(f"unknown --algo {algo!r}; choose one of {', '.join(ALGOS)}")
+        if correction not in CORRECTIONS:
+            raise ValueError(f"unknown --correction {correction!r}; choose one of {', '.join(CORRECTIONS)}")
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
         self.dist_url, self.replay, self.temperature, self.host = dist_url, replay, temperature, host
-        self.key = key
+        self.key, self.algo, self.correction = key, algo, correction
         self.version = 0
         self.publisher = None
+        self.value_head = None
         self.metrics: list[dict] = []
         self._lock = threading.Lock()
 
@@ -99,6 +171,7 @@ class Learner:
     def setup(self):
         import torch
         import torch.distributed as dist
+        from peft.tuners.tuners_utils import BaseTunerLayer
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -115,12 +188,28 @@ class Learner:
         base = load_model(self.model_path, device=str(self.device))
         self.pad_id = base.config.pad_token_id or 0
         model = with_lora(base, self.cfg.lora)
+        if self.algo == "ppo":
+            # The critic: a second LoRA adapter on the same frozen base plus a value head. PEFT marks
+            # an added adapter frozen; it is trained, so mark it trainable.
+            model.add_adapter(CRITIC, self.cfg.lora.peft_config())
+            model.set_requires_grad([POLICY, CRITIC], True)
+            from learner.critic import ValueHead
+
+            self.value_head = ValueHead(base.config.hidden_size, device=self.device)
+            fully_shard(self.value_head, mesh=mesh)  # its own FSDP root: called outside the model's forward
         for layer in model.base_model.model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self.model = model
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self._lora_layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.policy_params = [p for n, p in named if f".{CRITIC}." not in n]
+        self.critic_params = [p for n, p in named if f".{CRITIC}." in n]
+        groups = [{"params": self.policy_params, "lr": self.cfg.lr}]
+        if self.value_head is not None:
+            self.critic_params += list(self.value_head.parameters())
+            groups.append({"params": self.critic_params, "lr": self.cfg.critic_lr})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=self.cfg.weight_decay)
         if self.rank == 0:
             from replay.weights import WeightPublisher
 
@@ -131,79 +220,198 @@ class Learner:
     def _local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", self.rank))
 
+    # -- forward passes ----------------------------------------------------------
+    @contextmanager
+    def _adapter(self, name: str):
+        """Route the LoRA layers through adapter `name`. PEFT's `set_adapter` would also freeze
+        every other adapter (requires_grad=False) on each switch; this only changes the route."""
+        before = [m._active_adapter for m in self._lora_layers]
+        for m in self._lora_layers:
+            m._active_adapter = [name]
+        try:
+            yield
+        finally:
+            for m, b in zip(self._lora_layers, before):
+                m._active_adapter = b
+
+    def _policy_logits(self, tokens, attention):
+        return self.model(input_ids=tokens, attention_mask=attention).logits
+
+    def _ref_logprobs(self, tokens, attention):
+        """log π_ref: the same model with the adapter disabled (no second copy in memory)."""
+        import torch
+
+        from learner.losses import token_logprobs
+
+        with torch.no_grad(), self.model.disable_adapter():
+            logp = token_logprobs(self._policy_logits(tokens, attention), tokens, self.temperature)
+        # PEFT re-enables adapters by marking only the active one trainable: restore the critic's flags.
+        for p in self.critic_params:
+            p.requires_grad_(True)
+        return logp
+
+    def _values(self, tokens, attention):
+        """V(s_t) for the action at t, aligned like token_logprobs: [b, T] (entry 0 is 0)."""
+        import torch
+
+        with self._adapter(CRITIC):
+            out = self.model(input_ids=tokens, attention_mask=attention, output_hidden_states=True)
+        v = self.value_head(out.hidden_states[-1])  # [b, T]: value of the prefix ending at t
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+
+    def _old_logprobs(self, tokens, attention):
+        from learner.losses import token_logprobs
+
+        return token_logprobs(self._policy_logits(tokens, attention), tokens, self.temperature)
+
+    def _forward_all(self, batch, rows: list[int], fn):
+        """`fn` over `rows` without grad, in micro-batches, into a [B, T] tensor (start-of-step
+        quantities: π_old, V_old). Ranks run the same number of forward passes."""
+        import torch
+
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        with torch.no_grad():
+            for chunk, share in self._plan(batch, rows, shares=False):
+                tokens, attention, width = self._inputs(batch, chunk)
+                value = fn(tokens, attention).float().cpu()
+                if share:
+                    out[torch.tensor(chunk), :width] = value
+        return out
+
+    def _inputs(self, batch, chunk):
+        import torch
+
+        rows = torch.tensor(chunk)
+        width = int(batch.attention[rows].sum(1).max())
+        return (batch.tokens[rows, :width].to(self.device), batch.attention[rows, :width].to(self.device), width)
+
+    def _plan(self, batch, rows: list[int], shares: bool = True) -> list[tuple[list[int], float]]:
+        """Micro-batches of `rows` with each one's share of the rank's loss, so that accumulation
+        equals one big batch (tokens for token_mean, trajectories otherwise, over all B
+        trajectories of the rank, times the mini-batch count so every update is full scale).
+        FSDP's collectives run once per forward/backward, so every rank runs as many
+        micro-batches as the busiest one; the extra ones repeat a row with share 0."""
+        import torch
+        import torch.distributed as dist
+
+        size = self.cfg.micro_batch
+        chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+        scale = self.cfg.mini_batches
+        if not shares:
+            weights = [1.0] * len(chunks)
+        elif self.cfg.aggregation == "token_mean":
+            total = float(batch.mask.sum()) or 1.0
+            weights = [scale * float(batch.mask[c].sum()) / total for c in chunks]
+        else:
+            weights = [scale * len(c) / batch.tokens.shape[0] for c in chunks]
+        count = torch.tensor([len(chunks)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        while len(chunks) < int(count):
+            chunks.append((rows or [0])[:1])
+            weights.append(0.0)
+        return list(zip(chunks, weights))
+
     # -- one step ---------------------------------------------------------------
     def step(self) -> dict:
         import torch
         import torch.distributed as dist
 
         from learner.batch import collate
-        from learner.losses import policy_loss, token_logprobs
+        from learner.losses import (aggregate, correct, gae, kl_penalty, mismatch_kl, policy_loss, terminal_rewards,
+                                    token_entropy, token_logprobs, value_loss, whiten)
 
+        cfg, ppo = self.cfg, self.algo == "ppo"
         t0 = time.perf_counter()
         step = self.version
         groups = self.replay.sample(step, self.rank, self.version)
         t1 = time.perf_counter()
-        batch = collate(groups, self.version, self.pad_id, self.cfg.normalize_std)
+        batch = collate(groups, self.version, self.pad_id, cfg.normalize_std, self.algo)
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        # Trajectories with zero advantage (their group's rewards were all equal) add nothing
-        # to the gradient: skip their forward pass. Every rank still runs at least one
-        # micro-batch, since FSDP's collectives need all ranks.
-        live = (batch.advantages.abs() > 1e-8).nonzero().flatten().tolist() or [0]
-        live.sort(key=lambda i: int(batch.attention[i].sum()))  # similar lengths share a micro-batch
-        size = self.cfg.micro_batch
-        chunks = [live[i:i + size] for i in range(0, len(live), size)]
-        weights = self._weights(batch, chunks)
-        # FSDP's collectives run once per forward/backward, so every rank must run as many
-        # micro-batches as the busiest one; the extra ones carry zero weight.
-        count = torch.tensor([len(chunks)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        while len(chunks) < int(count):
-            chunks.append(chunks[0][:1])
-            weights.append(0.0)
-        parts: dict[str, float] = {}
-        for chunk, share in zip(chunks, weights):
-            rows = torch.tensor(chunk)
-            width = int(batch.attention[rows].sum(1).max())
-            tokens = batch.tokens[rows, :width].to(self.device)
-            logits = self.model(input_ids=tokens, attention_mask=batch.attention[rows, :width].to(self.device)).logits
-            logp = token_logprobs(logits, tokens, self.temperature)  # [b, T]
-            mask = batch.mask[rows, :width].to(self.device)
-            advantages = batch.advantages[rows].to(self.device)
-            if share == 0.0 or not (advantages.abs() > 1e-8).any():
-                mask = mask * 0  # a padding micro-batch: it takes part in the collectives only
-            loss, m = policy_loss(logp, logp.detach(), batch.behaviour[rows, :width].to(self.device),
-                                  advantages, mask, self.cfg.clip_low, self.cfg.clip_high, self.cfg.is_cap,
-                                  self.cfg.aggregation)
-            (loss * share).backward()
-            for k, v in m.items():
-                parts[k] = parts.get(k, 0.0) + v * share if k != "is_weight_max" else max(parts.get(k, 0.0), v)
-        total_share = sum(weights) or 1.0
-        parts = {k: (v if k == "is_weight_max" else v / total_share) for k, v in parts.items()}
-        parts["loss"] *= total_share  # the loss itself is over the whole batch, as optimized
-        parts["trained_fraction"] = len(live) / batch.tokens.shape[0]
         n = batch.tokens.shape[0]
-        n_tokens = float(batch.mask.sum())
-        grad_norm = 0.0
-        if self.cfg.max_grad_norm > 0:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        self.optimizer.step()
+        # Trajectories with zero advantage (their group's rewards were all equal) add nothing to a
+        # critic-free gradient: skip their forward pass. PPO's critic learns from every trajectory.
+        keep = batch.mask.sum(1) > 0 if ppo else batch.advantages.abs() > 1e-8
+        live = keep.nonzero().flatten().tolist()
+        live.sort(key=lambda i: int(batch.attention[i].sum()))  # similar lengths share a micro-batch
+        minis = [live[k::cfg.mini_batches] for k in range(cfg.mini_batches)]  # each spans all lengths
+
+        # Start-of-step quantities. With one mini-batch π_old is π_θ detached (no extra pass).
+        old = None
+        if cfg.mini_batches > 1 and self.correction != "none":
+            old = self._forward_all(batch, live, self._old_logprobs)
+        advantages = batch.advantages  # [B]
+        if ppo:
+            old_values = self._forward_all(batch, live, self._values)  # [B, T]
+            advantages, returns = gae(terminal_rewards(batch.rewards, batch.mask), old_values, batch.mask,
+                                      cfg.gamma, cfg.lam)  # [B, T]
+            if cfg.whiten_advantages:
+                advantages = whiten(advantages, batch.mask)
+
+        sums: dict[str, float] = {}
+        total_share, is_max, loss_total = 0.0, 0.0, 0.0
+        norms, critic_norms = [], []
+        for mini in minis:
+            self.optimizer.zero_grad(set_to_none=True)
+            for chunk, share in self._plan(batch, mini):
+                rows = torch.tensor(chunk)
+                tokens, attention, width = self._inputs(batch, chunk)
+                mask = batch.mask[rows, :width].to(self.device)
+                if share == 0.0:
+                    mask = mask * 0  # a padding micro-batch: it takes part in the collectives only
+                mu = batch.behaviour[rows, :width].to(self.device)
+                logits = self._policy_logits(tokens, attention)
+                logp = token_logprobs(logits, tokens, self.temperature)  # [b, T]
+                old_lp = old[rows, :width].to(self.device) if old is not None else logp.detach()
+                corr = correct(self.correction, old_lp, mu, mask, cfg.is_cap, cfg.geo_bound)
+                adv = advantages[rows].to(self.device) if not ppo else advantages[rows, :width].to(self.device)
+                loss, m = policy_loss(logp, corr, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                                      cfg.aggregation, cfg.norm_length)
+                entropy = aggregate(token_entropy(logits, self.temperature), mask, cfg.aggregation, cfg.norm_length)
+                if cfg.entropy_coef > 0:
+                    loss = loss - cfg.entropy_coef * entropy
+                if cfg.kl_coef > 0:
+                    kl = aggregate(kl_penalty(logp, self._ref_logprobs(tokens, attention), cfg.kl_estimator),
+                                   mask, cfg.aggregation, cfg.norm_length)
+                    loss = loss + cfg.kl_coef * kl
+                    m["kl_ref"] = float(kl)
+                m["entropy"] = float(entropy)
+                m["mismatch_kl"] = mismatch_kl(old_lp, mu, mask)
+                m["masked_fraction"] = float(1.0 - corr.mask.sum() / mask.sum().clamp(min=1.0))
+                (loss * share).backward()
+                if ppo:
+                    values = self._values(tokens, attention)
+                    vloss, vm = value_loss(values, old_values[rows, :width].to(self.device),
+                                           returns[rows, :width].to(self.device), mask, cfg.value_clip,
+                                           cfg.aggregation, cfg.norm_length)
+                    (cfg.vf_coef * vloss * share).backward()
+                    m.update(vm)
+                loss_total += float(loss.detach()) * share
+                total_share += share
+                is_max = max(is_max, m.pop("is_weight_max"))
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v * share
+            norms.append(self._clip(self.policy_params))
+            if ppo:
+                critic_norms.append(self._clip(self.critic_params))
+            self.optimizer.step()
         t2 = time.perf_counter()
         self.version += 1
         adapter_bytes = self._publish()
         self.replay.ack(step, self.rank)  # trained on: replay may forget these groups
         t3 = time.perf_counter()
+        parts = {k: v / (total_share or 1.0) for k, v in sums.items()}
         local = {
-            **parts, "grad_norm": grad_norm,
+            **parts, "loss": loss_total / cfg.mini_batches, "is_weight_max": is_max,
+            "grad_norm": sum(norms) / len(norms), "trained_fraction": len(live) / n,
             "reward_mean": float(batch.rewards.mean()),
             "staleness_mean": float(batch.staleness.mean()),
             "staleness_max": float(batch.staleness.max()),
-            "tokens": n_tokens, "trajectories": float(n),
+            "tokens": float(batch.mask.sum()), "trajectories": float(n),
             "seq_len_mean": float(batch.attention.sum(1).float().mean()),
             "wait_s": t1 - t0, "train_s": t2 - t1, "publish_s": t3 - t2,
         }
+        if ppo:
+            local["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
         keys = sorted(local)
         vec = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(vec)
@@ -216,19 +424,21 @@ class Learner:
             self.metrics.append(out)
         return out
 
-    def _weights(self, batch, chunks: list[list[int]]) -> list[float]:
-        """Each micro-batch's share of the rank's loss, so that accumulation equals one big batch
-        (tokens for token_mean, trajectories for seq_mean_token_mean), over all B trajectories."""
-        if self.cfg.aggregation == "token_mean":
-            total = float(batch.mask.sum()) or 1.0
-            return [float(batch.mask[c].sum()) / total for c in chunks]
-        return [len(c) / batch.tokens.shape[0] for c in chunks]
+    def _clip(self, params) -> float:
+        """Clip the gradient of `params` by global norm (a collective); returns the norm before."""
+        import torch
+
+        if self.cfg.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def _adapter_tensors(self) -> dict:
         """The full adapter on every rank (all ranks must call: gathering is collective)."""
         from peft import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(self.model)
+        state = get_peft_model_state_dict(self.model, adapter_name=POLICY)  # never the critic
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in state.items()}
 
     def _publish(self) -> int:

@@ -63,3 +63,71 @@ def test_two_ranks_train_to_identical_changed_lora_weights(tiny_model):
     assert changed, "the optimizer step did not change the adapter"
     assert m0["version"] == 1 and m0["trajectories"] == 16  # 4 groups × 4, over both ranks
     assert server.buffer.stats.served_groups == 4
+
+
+def _ppo_rank(rank, model, endpoint, url, out):
+    import torch
+
+    from learner.trainer import CRITIC, Learner, LearnerConfig
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = LearnerConfig(lr=1e-2, groups_per_step=4, mini_batches=2, kl_coef=0.1, entropy_coef=0.01, micro_batch=3)
+    learner = Learner(cfg, model, rank, 2, url, ZmqReplayClient(endpoint), algo="ppo", correction="decoupled")
+    try:
+        learner.setup()
+
+        def critic():
+            from peft import get_peft_model_state_dict
+
+            state = get_peft_model_state_dict(learner.model, adapter_name=CRITIC)
+            state["value_head"] = learner.value_head.proj.weight
+            return {k: v.full_tensor().detach().numpy().copy() for k, v in state.items()}
+
+        before, critic_before = learner._adapter_tensors(), critic()
+        metrics = [learner.step(), learner.step()]
+        out.put((rank, {k: v.numpy() for k, v in before.items()},
+                 {k: v.numpy() for k, v in learner._adapter_tensors().items()}, critic_before, critic(), metrics))
+    finally:
+        learner.close()
+
+
+def test_ppo_trains_policy_and_critic_adapters_on_two_ranks(tiny_model):
+    """PPO with the critic under fully_shard: two mini-batches a step (π_old from its own pass),
+    decoupled correction, KL to the adapter-disabled reference, uneven micro-batches per rank."""
+    server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=1, num_shards=2), "tcp://127.0.0.1:*")
+    endpoint = server.start()
+    try:
+        client = ZmqReplayClient(endpoint, actor="actor-0")
+        for i in range(8):
+            client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0] if i % 2 else [1.0, 1.0, 1.0, 1.0]))
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        url = f"tcp://127.0.0.1:{_port()}"
+        procs = [ctx.Process(target=_ppo_rank, args=(r, tiny_model, endpoint, url, out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        results = {r: rest for r, *rest in (out.get(timeout=300) for _ in procs)}
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0], "a rank aborted at exit"
+    finally:
+        server.stop()
+    (b0, a0, cb0, ca0, m0), (_, a1, _, ca1, m1) = results[0], results[1]
+    # only the policy adapter is gathered for the actors: no critic weights, no value head
+    assert not any("critic" in k or "value" in k for k in a0) and any("lora_B" in k for k in a0)
+    for k in a0:
+        np.testing.assert_array_equal(a0[k], a1[k])
+    for k in ca0:
+        np.testing.assert_array_equal(ca0[k], ca1[k])  # the critic too is the same on both ranks
+    assert any(not np.array_equal(a0[k], b0[k]) for k in a0 if "lora_B" in k), "policy adapter unchanged"
+    assert any(not np.array_equal(ca0[k], cb0[k]) for k in ca0 if "lora_B" in k), "critic adapter unchanged"
+    assert not np.array_equal(ca0["value_head"], cb0["value_head"]), "value head unchanged"
+    for m in m0:
+        for key in ("value_loss", "explained_variance", "kl_ref", "entropy", "critic_grad_norm", "masked_fraction",
+                    "clip_fraction", "is_weight_mean", "mismatch_kl"):
+            assert key in m and np.isfinite(m[key]), key
+    assert m0[1]["version"] == 2 and m0[0]["trajectories"] == 16
+    assert m0[0]["trained_fraction"] == 1.0  # the critic learns from uniform-reward groups too
+    # the adapter starts as the identity (KL 0 on the first mini-batch) and has moved by the second
+    assert 0 < m0[0]["kl_ref"] < 1 and m0[1]["kl_ref"] > 0

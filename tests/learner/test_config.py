@@ -1,0 +1,46 @@
+"""Bad learner settings fail at once, naming the flag to change."""
+
+import subprocess
+import sys
+
+import pytest
+
+from launch.config import Config
+from learner.trainer import LearnerConfig
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"algo": "a2c"}, "unknown --algo 'a2c'; choose one of grpo, rloo, ppo"),
+    ({"correction": "vtrace"}, "unknown --correction 'vtrace'; choose one of none, tis, seq-tis, geo-mask, decoupled"),
+])
+def test_bad_headline_values_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Config(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mini_batches": 0}, "--learner.mini-batches"),
+    ({"dual_clip": 0.5}, "--learner.dual-clip"),
+    ({"is_cap": 0.0}, "--correction none"),
+    ({"geo_bound": 1.0}, "--learner.geo-bound"),
+    ({"aggregation": "sum"}, "--learner.aggregation"),
+    ({"norm_length": 0}, "--learner.norm-length"),
+    ({"kl_estimator": "k4"}, "--learner.kl-estimator"),
+    ({"kl_coef": -1.0}, "--learner.kl-coef"),
+    ({"lam": 1.5}, "--learner.lam"),
+    ({"critic_lr": 0.0}, "--learner.critic-lr"),
+])
+def test_bad_learner_values_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LearnerConfig(**kwargs)
+
+
+def test_defaults_are_the_measured_recipe():
+    cfg = Config()
+    assert (cfg.algo, cfg.correction, cfg.learner.is_cap, cfg.learner.mini_batches) == ("grpo", "tis", 2.0, 1)
+
+
+def test_command_line_rejects_an_unknown_algorithm():
+    run = subprocess.run([sys.executable, "-m", "launch.async", "--algo", "a2c"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0 and "--algo" in run.stdout + run.stderr
