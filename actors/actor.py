@@ -26,7 +26,8 @@ from typing import Literal
 import numpy as np
 
 from actors.engine import Engine, SamplingParams
-from actors.rollout import Episode, start, turn
+from actors.envrunner import EnvRunner
+from actors.rollout import Episode, close, start, turn
 from envs.base import TextEnv
 from replay.client import ActorReplay
 from replay.weights import WeightSource
@@ -55,6 +56,11 @@ class ActorConfig:
     """Device of the torch engine ("cpu" or "cuda")."""
     threads: int = 1
     """Torch CPU threads per actor process."""
+    env_timeout_s: float = 30.0
+    """Time limit of one environment reset or step; past it the episode ends with finish reason
+    "env_error" and the rest of the batch goes on."""
+    env_threads: int = 8
+    """Worker threads per actor running environment resets and steps concurrently."""
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -65,6 +71,10 @@ class ActorConfig:
             raise ValueError(f"--actor.temperature must be positive, got {self.temperature}")
         if self.max_new_tokens < 1 or self.max_tokens <= self.max_new_tokens:
             raise ValueError("--actor.max-new-tokens must be ≥ 1 and below --actor.max-tokens")
+        if self.env_timeout_s <= 0:
+            raise ValueError(f"--actor.env-timeout-s must be positive, got {self.env_timeout_s}")
+        if self.env_threads < 1:
+            raise ValueError(f"--actor.env-threads must be at least 1, got {self.env_threads}")
 
 
 @dataclass
@@ -89,6 +99,7 @@ class Actor:
         self.make_env, self.replay, self.weights = make_env, replay, weights
         self.rng = np.random.default_rng(seed)
         self.params = SamplingParams(cfg.max_new_tokens, chat.stop_ids, cfg.temperature)
+        self.runner = EnvRunner(cfg.env_timeout_s, cfg.env_threads)
         self._stats = Counter()
         self._finish = Counter()
         self._lock = threading.Lock()
@@ -127,7 +138,8 @@ class Actor:
                 continue
             waited = 0.0
             t0 = time.perf_counter()
-            n = turn(self.engine, self.chat, [e for g in live for e in g.episodes], self.params, self.cfg.max_tokens)
+            n = turn(self.engine, self.chat, [e for g in live for e in g.episodes], self.params,
+                     self.cfg.max_tokens, self.runner)
             with self._lock:
                 self._stats["turn_s"] += time.perf_counter() - t0
                 self._stats["episode_turns"] += n
@@ -139,16 +151,19 @@ class Actor:
 
     def _start_group(self) -> _Live:
         seed = int(self.rng.integers(2**31 - 1))
-        episodes = [start(self.make_env(), self.chat, seed=seed, version=self.engine.version)
-                    for _ in range(self.cfg.group_size)]
+        # Every episode of a group plays the same task; the policy version lets an environment
+        # run a curriculum.
+        options = {"policy_version": self.engine.version}
+        episodes = [start(self.make_env(), self.chat, self.runner, seed=seed, options=options,
+                          version=self.engine.version) for _ in range(self.cfg.group_size)]
         return _Live(uuid.uuid4().hex, f"seed={seed}", episodes, time.perf_counter())
 
     def _push(self, g: _Live) -> None:
         trajs = [e.trajectory() for e in g.episodes]
         for e in g.episodes:
+            close(e)
             if e.error:
-                log.warning("%s: environment error ended an episode: %s", self.name, e.error)
-            e.env.close()
+                log.warning("%s: environment error in an episode (%s): %s", self.name, g.task, e.error)
         group = Group(g.group_id, g.task, trajs, actor=self.name,
                       meta={"gen_s": time.perf_counter() - g.started})
         self.replay.push(group)
@@ -161,5 +176,5 @@ class Actor:
 
     def stats(self) -> dict:
         with self._lock:
-            return {**self._stats, "version": self.engine.version,
+            return {**self._stats, "version": self.engine.version, "env_abandoned": self.runner.abandoned,
                     **{f"finish/{k}": v for k, v in self._finish.items()}}

@@ -10,6 +10,11 @@ these tokens; nothing is re-tokenised.
 
 `between_turns` is called before every turn: the actor uses it to apply a newer
 adapter, so long episodes pick up new weights without restarting.
+
+Environments are user code, so their resets and steps run on an `EnvRunner`:
+concurrently, each with a time limit. An environment that raises, returns
+something malformed or runs past its limit ends that episode with finish reason
+`env_error`; the other episodes of the batch go on.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from actors.engine import Engine, SamplingParams
+from actors.envrunner import EnvRunner
 from envs.base import TextEnv
 from replay.wire import Trajectory
 
@@ -40,6 +46,10 @@ class Episode:
     finish_reason: str | None = None
     session: int = field(default_factory=lambda: next(_ids))
     error: str = ""
+    version: int = 0
+    """Policy version of the latest model turn (observations are stamped with it)."""
+    busy: bool = False
+    """True while the environment's reset or step for this episode is running."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -53,69 +63,141 @@ class Episode:
 
     def trajectory(self) -> Trajectory:
         assert self.finish_reason is not None, "episode still running"
+        # An episode its environment broke is recorded and counted, but not trained on: its
+        # reward says nothing about the model's actions.
+        mask = np.zeros(len(self.mask), np.uint8) if self.finish_reason == "env_error" else self.mask
         return Trajectory(tokens=np.asarray(self.tokens, np.int32), logprobs=np.asarray(self.logprobs, np.float32),
-                          mask=np.asarray(self.mask, np.uint8), versions=np.asarray(self.versions, np.int32),
+                          mask=np.asarray(mask, np.uint8), versions=np.asarray(self.versions, np.int32),
                           reward=self.reward, turns=self.turns, finish_reason=self.finish_reason)
 
 
-def start(env: TextEnv, chat, seed: int | None = None, options: dict[str, Any] | None = None,
-          version: int = 0) -> Episode:
-    """Reset `env` and return its episode with the prompt tokens in place."""
-    try:
-        messages, _ = env.reset(seed=seed, options=options)
-        ep = Episode(env=env, tokens=chat.prompt_ids(messages))
-    except Exception as exc:  # a broken environment ends the episode, not the actor
-        ep = Episode(env=env, tokens=[chat.stop_ids[0]], finish_reason="env_error", error=repr(exc))
-    ep.versions = [version] * len(ep.tokens)
+def start(env: TextEnv, chat, runner: EnvRunner, seed: int | None = None,
+          options: dict[str, Any] | None = None, version: int = 0) -> Episode:
+    """A new episode of `env`; its reset runs on `runner` and `turn` picks up the prompt."""
+    ep = Episode(env=env, tokens=[], version=version, busy=True)
+    runner.submit(ep.session, _reset, env, seed, options)
     return ep
 
 
+def _reset(env: TextEnv, seed, options):
+    return env.reset(seed=seed, options=options)
+
+
 def play(engine: Engine, chat, episodes: list[Episode], params: SamplingParams, max_tokens: int,
-         between_turns: Callable[[], None] | None = None) -> list[Episode]:
+         runner: EnvRunner, between_turns: Callable[[], None] | None = None) -> list[Episode]:
     """Run every episode to its end; returns them (finished) in the same order."""
     while True:
         if between_turns is not None:
             between_turns()
-        if not turn(engine, chat, episodes, params, max_tokens):
+        if not turn(engine, chat, episodes, params, max_tokens, runner):
             return episodes
 
 
-def turn(engine: Engine, chat, episodes: list[Episode], params: SamplingParams, max_tokens: int) -> int:
-    """Play one model turn and one environment step for every live episode; returns how many were live."""
-    live = [e for e in episodes if e.finish_reason is None]
-    if not live:
-        return 0
-    outs = engine.generate([e.tokens for e in live], params, sessions=[e.session for e in live])
-    version = engine.version
-    for ep, out in zip(live, outs):
-        ep.append(out.tokens, trained=True, version=version, logprobs=out.logprobs)
-        ep.turns += 1
-        _step(ep, chat, chat.decode(out.tokens), params, max_tokens, version)
-    return len(live)
+def turn(engine: Engine, chat, episodes: list[Episode], params: SamplingParams, max_tokens: int,
+         runner: EnvRunner) -> int:
+    """One batched generation for every episode that is ready, then their environment steps
+    (concurrently, on `runner`); returns how many episodes are still running.
+
+    Episodes whose reset or step is still running sit this generation out."""
+    by_session = {e.session: e for e in episodes}
+    _apply(runner.collect(0.0), by_session, chat, params, max_tokens)
+    ready = [e for e in episodes if e.finish_reason is None and not e.busy]
+    if ready:
+        outs = engine.generate([e.tokens for e in ready], params, sessions=[e.session for e in ready])
+        version = engine.version
+        for ep, out in zip(ready, outs):
+            ep.append(out.tokens, trained=True, version=version, logprobs=out.logprobs)
+            ep.turns += 1
+            ep.busy, ep.version = True, version
+            runner.submit(ep.session, ep.env.step, chat.decode(out.tokens))
+        # Fast environments answer within the grace period and keep the batch together;
+        # a slow one's episode rejoins a later generation.
+        _apply(runner.collect(GRACE_S, need_all=True), by_session, chat, params, max_tokens)
+    elif any(e.busy for e in episodes):
+        _apply(runner.collect(IDLE_WAIT_S, need_all=False), by_session, chat, params, max_tokens)
+    return sum(e.finish_reason is None for e in episodes)
 
 
-def _step(ep: Episode, chat, text: str, params: SamplingParams, max_tokens: int, version: int) -> None:
+GRACE_S = 0.05
+"""How long a turn waits for its environment steps before generating without the slow ones."""
+IDLE_WAIT_S = 0.2
+"""How long a turn with nothing to generate waits for an environment step."""
+
+
+def _apply(calls, by_session: dict, chat, params: SamplingParams, max_tokens: int) -> None:
+    for call in calls:
+        ep = by_session.get(call.key)
+        if ep is None:
+            continue  # an episode of another batch on a shared runner
+        ep.busy = False
+        if call.error is not None:
+            _broken(ep, chat, call.error)
+        elif call.fn is _reset:
+            _opened(ep, chat, call.result, params, max_tokens)
+        else:
+            _stepped(ep, chat, call.result, params, max_tokens)
+
+
+def _broken(ep: Episode, chat, error: BaseException) -> None:
+    """End `ep` with finish reason env_error (a broken environment ends its episode, not the actor)."""
+    ep.finish_reason, ep.error = "env_error", repr(error)
+    if not ep.tokens:  # the reset failed: keep the trajectory well-formed
+        ep.append([chat.stop_ids[0]], trained=False, version=ep.version)
+
+
+def _opened(ep: Episode, chat, result, params: SamplingParams, max_tokens: int) -> None:
     try:
-        obs, reward, terminated, truncated, _ = ep.env.step(text)
-    except Exception as exc:
-        ep.finish_reason, ep.error = "env_error", repr(exc)
+        messages, _ = result
+        ids = chat.prompt_ids(messages)
+    except Exception as exc:  # a malformed return value is the environment's error
+        _broken(ep, chat, exc)
+        return
+    ep.append(ids, trained=False, version=ep.version)
+    if len(ids) + params.max_new_tokens > max_tokens:
+        ep.finish_reason = "length"
+
+
+def _stepped(ep: Episode, chat, result, params: SamplingParams, max_tokens: int) -> None:
+    try:
+        obs, reward, terminated, truncated, _ = result
+        reward = float(reward)
+        obs_ids = None if terminated or truncated else chat.observation_ids(obs)
+    except Exception as exc:  # a malformed return value is the environment's error too
+        _broken(ep, chat, exc)
         return
     ep.reward += reward
     if terminated or truncated:
         ep.finish_reason = "terminated" if terminated else "truncated"
-        return
-    obs_ids = chat.observation_ids(obs)
-    if len(ep.tokens) + len(obs_ids) + params.max_new_tokens > max_tokens:
+    elif len(ep.tokens) + len(obs_ids) + params.max_new_tokens > max_tokens:
         ep.finish_reason = "length"
+    else:
+        ep.append(obs_ids, trained=False, version=ep.version)
+
+
+def close(ep: Episode) -> None:
+    """Close the episode's environment, unless it broke (closing it might hang as well)."""
+    if ep.finish_reason == "env_error":
         return
-    ep.append(obs_ids, trained=False, version=version)
+    try:
+        ep.env.close()
+    except Exception as exc:
+        ep.error = f"close failed: {exc!r}"
 
 
 def evaluate(engine: Engine, chat, make_env: Callable[[], TextEnv], tasks: list[dict[str, Any]],
-             max_new_tokens: int, max_tokens: int) -> dict[str, float]:
+             max_new_tokens: int, max_tokens: int, runner: EnvRunner | None = None) -> dict[str, float]:
     """Greedy success rate (reward > 0) and mean reward over `tasks` (reset options)."""
-    episodes = [start(make_env(), chat, options=opts, version=engine.version) for opts in tasks]
-    play(engine, chat, episodes, SamplingParams(max_new_tokens, chat.stop_ids, temperature=0.0), max_tokens)
+    own = runner is None
+    runner = runner or EnvRunner()
+    try:
+        episodes = [start(make_env(), chat, runner, options=opts, version=engine.version) for opts in tasks]
+        play(engine, chat, episodes, SamplingParams(max_new_tokens, chat.stop_ids, temperature=0.0),
+             max_tokens, runner)
+        for e in episodes:
+            close(e)
+    finally:
+        if own:
+            runner.close()
     rewards = np.array([e.reward for e in episodes])
     return {"success_rate": float((rewards > 0).mean()), "reward_mean": float(rewards.mean()),
             "turns_mean": float(np.mean([e.turns for e in episodes]))}

@@ -5,6 +5,12 @@ messages, `step` takes the model's raw text and returns the messages to append.
 Rewards are verifiable. Any text is a legal action: what cannot be parsed is a
 wasted move with an observation that says so, never an exception, because model
 output is untrusted input.
+
+Observations are tuples of `{"role", "content"}` dicts (Gymnasium's `Sequence`
+space holds tuples) whose content is any text without control characters, at
+most `MAX_TEXT` characters: the base class enforces both, so
+`gymnasium.utils.env_checker.check_env` passes for every subclass and an
+environment cannot flood the context by accident.
 """
 
 from __future__ import annotations
@@ -13,16 +19,54 @@ from typing import Any
 
 import gymnasium as gym
 
-Messages = list[dict[str, str]]
+Messages = tuple[dict[str, str], ...]
 
 # Observations and actions are free text; the spaces bound their length so that
 # gymnasium's checker and users can see what an environment accepts.
 MAX_TEXT = 4096
+_TRUNCATED = "\n[truncated]"
 
 
-def text_space(max_length: int = MAX_TEXT) -> gym.spaces.Text:
-    charset = "".join(chr(c) for c in range(32, 127)) + "\n"
-    return gym.spaces.Text(max_length=max_length, charset=charset)
+def _control(c: str) -> bool:
+    return (ord(c) < 32 and c not in "\n\t") or 127 <= ord(c) < 160
+
+
+class TextSpace(gym.spaces.Text):
+    """Any text of at most `max_length` characters without control characters (newlines and
+    tabs allowed). Samples are printable ASCII; membership takes any Unicode, as models write it."""
+
+    def __init__(self, max_length: int = MAX_TEXT) -> None:
+        super().__init__(max_length=max_length, min_length=0,
+                         charset="".join(chr(c) for c in range(32, 127)) + "\n")
+
+    def contains(self, x) -> bool:
+        return isinstance(x, str) and len(x) <= self.max_length and not any(_control(c) for c in x)
+
+
+def text_space(max_length: int = MAX_TEXT) -> TextSpace:
+    return TextSpace(max_length)
+
+
+def clean_text(text: str, limit: int = MAX_TEXT) -> str:
+    """`text` inside the observation space: control characters dropped (newlines and tabs
+    kept, "\\r\\n" as "\\n") and at most `limit` characters (the end replaced by a marker)."""
+    text = text.replace("\r\n", "\n")
+    if any(_control(c) for c in text):
+        text = "".join(c for c in text if not _control(c))
+    return text if len(text) <= limit else text[: limit - len(_TRUNCATED)] + _TRUNCATED
+
+
+def messages(content: str | list | tuple) -> Messages:
+    """A string (one user message) or a list of chat messages as a valid observation."""
+    if isinstance(content, str):
+        content = [{"role": "user", "content": content}]
+    out = []
+    for m in content:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise TypeError(f"an observation message must be a dict with a 'content' string, got {m!r}")
+        role = str(m.get("role", "user"))
+        out.append({"role": clean_text(role, 16), "content": clean_text(m["content"])})
+    return tuple(out)
 
 
 class TextEnv(gym.Env):
@@ -31,6 +75,7 @@ class TextEnv(gym.Env):
     Usage loop (what an actor does for each episode)::
 
         messages, info = env.reset(seed=7)
+        messages = list(messages)
         while True:
             text = policy(messages)                 # the model's raw answer
             obs, reward, terminated, truncated, info = env.step(text)
@@ -38,12 +83,18 @@ class TextEnv(gym.Env):
             if terminated or truncated:
                 break
 
-    Subclasses implement `_reset(rng, options) -> (str, info)` and
-    `_step(text) -> (str, reward, terminated, truncated, info)` on plain
-    strings; this base wraps them into chat messages.
+    Subclasses implement `_reset(options) -> (observation, info)` and
+    `_step(text) -> (observation, reward, terminated, truncated, info)`, where an
+    observation is a string (one user message) or a list of chat messages. Draw
+    randomness from `self.np_random`, which `reset(seed=...)` seeds, so that a
+    seed alone decides the task. This base turns observations into the space's
+    form and caps the action's length.
     """
 
     metadata = {"render_modes": []}
+
+    max_action_chars: int = MAX_TEXT
+    """Longer model output is cut to this many characters before `_step` sees it."""
 
     def __init__(self) -> None:
         message = gym.spaces.Dict({"role": text_space(16), "content": text_space()})
@@ -51,10 +102,10 @@ class TextEnv(gym.Env):
         self.action_space = text_space()
 
     # -- to implement -----------------------------------------------------
-    def _reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    def _reset(self, options: dict[str, Any]) -> tuple[str | list, dict[str, Any]]:
         raise NotImplementedError
 
-    def _step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    def _step(self, text: str) -> tuple[str | list, float, bool, bool, dict[str, Any]]:
         raise NotImplementedError
 
     eval_seed: int = 0
@@ -68,11 +119,11 @@ class TextEnv(gym.Env):
     # -- Gymnasium API ----------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
-        text, info = self._reset(dict(options or {}))
-        return [{"role": "user", "content": text}], info
+        obs, info = self._reset(dict(options or {}))
+        return messages(obs), info
 
     def step(self, action: str):
         if not isinstance(action, str):
             raise TypeError(f"action must be the model's text (str), got {type(action).__name__}")
-        text, reward, terminated, truncated, info = self._step(action[:MAX_TEXT])
-        return [{"role": "user", "content": text}], float(reward), terminated, truncated, info
+        obs, reward, terminated, truncated, info = self._step(action[: self.max_action_chars])
+        return messages(obs), float(reward), bool(terminated), bool(truncated), info

@@ -28,6 +28,10 @@ Design decisions:
 - Actions are parsed leniently: the first of up/down/left/right (or u/d/l/r,
   n/s/w/e) in any case. Anything else is a wasted move, never an exception.
 - Reward is sparse: 1.0 on reaching the goal within `max_steps` moves, else 0.
+- Sizes are options: `size` at construction, or `reset(options={"size": n})`
+  for one episode. A curriculum ("3@0,4@20,5@50": size 3 from policy version 0,
+  4 from version 20, 5 from 50) picks the size from the `policy_version` that
+  actors pass in the reset options; evaluation always uses `size`.
 """
 
 from __future__ import annotations
@@ -149,6 +153,20 @@ def parse_move(text: str) -> str | None:
     return None
 
 
+def parse_curriculum(spec: str) -> list[tuple[int, int]]:
+    """"3@0,4@20,5@50" -> [(0, 3), (20, 4), (50, 5)]: (from policy version, maze size)."""
+    stages = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        size, _, start = part.partition("@")
+        try:
+            stages.append((int(start or 0), int(size)))
+        except ValueError:
+            raise ValueError(f"bad curriculum stage {part!r}: write size@version, e.g. 3@0,4@20,5@50") from None
+        if stages[-1][1] < 2 or stages[-1][0] < 0:
+            raise ValueError(f"bad curriculum stage {part!r}: sizes are at least 2, versions at least 0")
+    return sorted(stages)
+
+
 class MazeEnv(TextEnv):
     """Reach G from @ by moving up/down/left/right; reward 1.0 at the goal.
 
@@ -157,10 +175,11 @@ class MazeEnv(TextEnv):
     """
 
     def __init__(self, size: int = 5, wall_density: float = 0.3, min_path: int = 3,
-                 max_steps: int = 12) -> None:
+                 max_steps: int = 12, curriculum: str = "") -> None:
         super().__init__()
         if size < 2:
             raise ValueError(f"maze size must be at least 2 cells, got {size}")
+        self.curriculum = parse_curriculum(curriculum)
         if not 0.0 <= wall_density < 0.7:
             raise ValueError(f"wall_density must be in [0, 0.7) so mazes stay solvable, got {wall_density}")
         if max_steps < 1:
@@ -179,11 +198,19 @@ class MazeEnv(TextEnv):
         maze = options.get("maze")
         if maze is not None and not isinstance(maze, Maze):
             raise TypeError("options['maze'] must be a Maze")
-        held_out = _maze64_keys(self.size, self.wall_density, self.min_path)
+        size = int(options.get("size", self._stage(int(options.get("policy_version", 0)))))
+        if size < 2:
+            raise ValueError(f"maze size must be at least 2 cells, got {size}")
+        held_out = _maze64_keys(size, self.wall_density, self.min_path)
         while maze is None or (maze.key() in held_out and "maze" not in options):
-            maze = generate(self.np_random, self.size, self.wall_density, self.min_path)
+            maze = generate(self.np_random, size, self.wall_density, self.min_path)
         self.maze, self.pos, self.steps = maze, maze.start, 0
         return self._observe("start"), {"optimal_steps": len(shortest_path(maze) or [])}
+
+    def _stage(self, version: int) -> int:
+        """The curriculum's size at policy `version` (`size` without a curriculum)."""
+        sizes = [s for start, s in self.curriculum if start <= version]
+        return sizes[-1] if sizes else self.size
 
     def _observe(self, status: str) -> str:
         assert self.maze is not None

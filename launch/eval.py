@@ -41,7 +41,7 @@ def main(args: EvalArgs) -> dict:
     if args.adapter != "none" and not os.path.isfile(os.path.join(args.adapter, "adapter_model.safetensors")):
         raise SystemExit(f"error: {args.adapter} holds no adapter_model.safetensors")
     adapter = launch_async.load_adapter_dir(args.adapter) if args.adapter != "none" else None
-    cfg = Config(env=args.env, learners=1, model=args.model or (adapter.base_model if adapter else "builtin:maze"))
+    cfg = Config(env=args.env, learners=1, model=args.model or (adapter.base_model if adapter else "auto"))
     if adapter is not None:
         lora = adapter.config
         cfg.learner.lora.rank, cfg.learner.lora.alpha = int(lora["r"]), float(lora["lora_alpha"])

@@ -27,11 +27,11 @@ class Chat:
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return list(ids)
 
-    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def prompt_ids(self, messages) -> list[int]:
         """Tokens of the opening messages followed by the assistant's generation prompt."""
-        return self._render(messages, generation_prompt=True)
+        return self._render(list(messages), generation_prompt=True)
 
-    def observation_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def observation_ids(self, messages) -> list[int]:
         """Tokens to append after a model turn: the new messages and the next generation prompt."""
         full = self._render(_BASE + list(messages), generation_prompt=True)
         assert full[: len(self._base_ids)] == self._base_ids, "chat template is not prefix-stable"

@@ -18,7 +18,7 @@ def corridor() -> Maze:
 def test_moves_walls_and_goal():
     env = MazeEnv(size=3, max_steps=10)
     obs, info = env.reset(options={"maze": corridor()})
-    assert obs == [{"role": "user", "content": "start\ngoal: down right right\nopen: right\n@.#\n#.G"}]
+    assert obs == ({"role": "user", "content": "start\ngoal: down right right\nopen: right\n@.#\n#.G"},)
     assert info["optimal_steps"] == 3
     obs, r, term, trunc, info = env.step("down")  # into a wall: nothing changes
     assert (r, term, trunc, info["status"]) == (0.0, False, False, "wall down")

@@ -5,13 +5,17 @@ import sys
 
 import pytest
 
-from launch.config import Config
+from launch.config import Config, SkyrlConfig
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"actors": 0}, "--actors must be at least 1"),
     ({"learners": 0}, "--learners must be at least 1"),
-    ({"env": "chess"}, "unknown --env 'chess'"),
+    ({"env": "chess"}, "--env: unknown environment 'chess'; choose one of maze, countdown, sql"),
+    ({"env": "skyrl:gsm8k"}, "--env skyrl:gsm8k needs --skyrl.tasks"),
+    ({"env": "skyrl:gsm8k", "skyrl": SkyrlConfig(tasks="/no/such.jsonl")}, "--skyrl.tasks '/no/such.jsonl': no such file"),
+    ({"env": "os:path"}, "is not a TextEnv subclass"),
+    ({"env": "nosuchmodule:Env"}, "cannot import Env from nosuchmodule"),
     ({"steps": 0}, "--steps"),
     ({"max_staleness": -1}, "--max-staleness"),
     ({"learners": 3}, "multiple of --learners"),
@@ -28,7 +32,8 @@ def test_colocate_is_strictly_on_policy():
 
 @pytest.mark.parametrize("args, message", [
     (["--actors", "0"], "--actors must be at least 1"),
-    (["--env", "chess"], "unknown --env"),
+    (["--env", "chess"], "unknown environment 'chess'"),
+    (["--maze.curriculum", "3@zero"], "--maze.curriculum: bad curriculum stage '3@zero'"),
     (["--actor.group-size", "1"], "--actor.group-size"),
 ])
 def test_command_line_fails_fast(args, message):
