@@ -77,7 +77,7 @@ def main(cfg: Config) -> int:
         actors = [Actor.remote(cfg, model_path, i, endpoint, weights, key) for i in range(cfg.actors)]
         runs = [a.run.remote() for a in actors]
         training = [lr.train.remote() for lr in learners]
-        _monitor(cfg, model_path, board, replay, learners, training, weights, key, started)
+        _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, actors)
         for a in actors:
             a.stop.remote()
         ray.get(runs, timeout=120)
@@ -94,10 +94,10 @@ def main(cfg: Config) -> int:
         ray.shutdown()
 
 
-def _monitor(cfg, model_path, board, replay, learners, training, weights, key, started) -> None:
+def _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, actors) -> None:
     import ray
 
-    from launch.monitor import Evaluator, replay_scalars, step_scalars
+    from launch.monitor import Evaluator, actor_scalars, replay_scalars, step_scalars
     from replay.weights import WeightSubscriber
 
     evaluator = Evaluator(cfg, model_path)
@@ -124,6 +124,7 @@ def _monitor(cfg, model_path, board, replay, learners, training, weights, key, s
                     scalars["perf/trajectories_per_s"] = (n - rate_n) / (now - rate_t)
                 rate_t, rate_n = now, n
                 scalars.update(replay_scalars(stats))
+                scalars.update(actor_scalars(ray.get([a.stats.remote() for a in actors], timeout=30)))
                 board.scalars(version, scalars)
                 board.histogram(version, "replay/staleness_served", stats["staleness_served"])
             if len(done) == len(training):

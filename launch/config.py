@@ -31,6 +31,14 @@ class MazeConfig:
     """Maze sizes by policy version, e.g. "3@0,4@20,5@50" (size 3 from version 0, 4 from 20, ...);
     empty: always --maze.size. Evaluation uses --maze.size."""
 
+    def __post_init__(self) -> None:
+        from envs.maze import parse_curriculum
+
+        try:
+            parse_curriculum(self.curriculum)
+        except ValueError as exc:
+            raise ValueError(f"--maze.curriculum: {exc}") from None
+
     def kwargs(self) -> dict:
         return {"size": self.size, "wall_density": self.wall_density, "min_path": self.min_path,
                 "max_steps": self.max_steps, "curriculum": self.curriculum}
