@@ -306,7 +306,7 @@ class Learner:
             weights = [scale * len(c) / batch.tokens.shape[0] for c in chunks]
         count = torch.tensor([len(chunks)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        while len(chunks) < int(count):
+        while len(chunks) < max(int(count), 1):  # at least one: every rank reports the same metrics
             chunks.append((rows or [0])[:1])
             weights.append(0.0)
         return list(zip(chunks, weights))
@@ -373,8 +373,8 @@ class Learner:
                     kl = aggregate(kl_penalty(logp, self._ref_logprobs(tokens, attention), cfg.kl_estimator),
                                    mask, cfg.aggregation, cfg.norm_length)
                     loss = loss + cfg.kl_coef * kl
-                    m["kl_ref"] = float(kl)
-                m["entropy"] = float(entropy)
+                    m["kl_ref"] = float(kl.detach())
+                m["entropy"] = float(entropy.detach())
                 m["mismatch_kl"] = mismatch_kl(old_lp, mu, mask)
                 m["masked_fraction"] = float(1.0 - corr.mask.sum() / mask.sum().clamp(min=1.0))
                 (loss * share).backward()
