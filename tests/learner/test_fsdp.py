@@ -86,6 +86,18 @@ def _ppo_rank(rank, model, endpoint, url, out):
 
         before, critic_before = learner._adapter_tensors(), critic()
         metrics = [learner.step(), learner.step()]
+        # the reference is the base model itself: the adapter disabled, under fully_shard
+        from learner.losses import token_logprobs
+        from policy.load import load_model
+
+        tokens = torch.tensor([make_group(seed=0).trajectories[0].tokens[:12].tolist()], dtype=torch.long)
+        attention = torch.ones_like(tokens)
+        ref = learner._ref_logprobs(tokens, attention)
+        with torch.no_grad():
+            base = token_logprobs(load_model(model)(input_ids=tokens, attention_mask=attention).logits, tokens)
+            policy = token_logprobs(learner._policy_logits(tokens, attention), tokens)
+        metrics.append({"ref_gap": float((ref - base).abs().max()), "policy_gap": float((policy - base).abs().max()),
+                        "critic_trainable": all(p.requires_grad for p in learner.critic_params)})
         out.put((rank, {k: v.numpy() for k, v in before.items()},
                  {k: v.numpy() for k, v in learner._adapter_tensors().items()}, critic_before, critic(), metrics))
     finally:
@@ -123,6 +135,10 @@ def test_ppo_trains_policy_and_critic_adapters_on_two_ranks(tiny_model):
     assert any(not np.array_equal(a0[k], b0[k]) for k in a0 if "lora_B" in k), "policy adapter unchanged"
     assert any(not np.array_equal(ca0[k], cb0[k]) for k in ca0 if "lora_B" in k), "critic adapter unchanged"
     assert not np.array_equal(ca0["value_head"], cb0["value_head"]), "value head unchanged"
+    checks = m0.pop()
+    assert checks["ref_gap"] < 1e-5 and checks["policy_gap"] > 1e-3  # the policy has moved, the reference not
+    assert checks["critic_trainable"]  # PEFT's disable_adapter() froze it; the learner restored it
+    m1.pop()
     for m in m0:
         for key in ("value_loss", "explained_variance", "kl_ref", "entropy", "critic_grad_norm", "masked_fraction",
                     "clip_fraction", "is_weight_mean", "mismatch_kl"):
