@@ -105,7 +105,8 @@ def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
     from envs import make_env
     from launch.config import Config
     from launch.monitor import Evaluator
-    from learner.trainer import Learner, LearnerConfig
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
     from policy import Chat, load_tokenizer
     from replay.weights import Adapter
 

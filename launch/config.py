@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from actors.actor import ActorConfig
-from learner.trainer import LearnerConfig
+from learner.config import LearnerConfig
 from replay.server import ReplayConfig
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from launch.config import Config
-from learner.trainer import LearnerConfig
+from learner.config import LearnerConfig
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -20,7 +20,8 @@ def _port() -> int:
 def _rank(rank, model, endpoint, url, out):
     import torch
 
-    from learner.trainer import Learner, LearnerConfig
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -68,7 +69,8 @@ def test_two_ranks_train_to_identical_changed_lora_weights(tiny_model):
 def _ppo_rank(rank, model, endpoint, url, out):
     import torch
 
-    from learner.trainer import CRITIC, Learner, LearnerConfig
+    from learner.config import LearnerConfig
+    from learner.trainer import CRITIC, Learner
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -1,0 +1,107 @@
+"""The learner's settings (`--learner.*`), read by tyro; the algorithm and the correction
+are the headline flags `--algo` and `--correction` of the root config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policy.load import LoraSpec
+
+
+@dataclass
+class LearnerConfig:
+    """The learner (FSDP ranks, LoRA, losses). The algorithm and the correction are the
+    headline flags --algo and --correction."""
+
+    lr: float = 1.5e-3
+    """AdamW learning rate for the LoRA weights."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    groups_per_step: int = 16
+    """Groups (tasks) per optimizer step, across all ranks (B)."""
+    mini_batches: int = 1
+    """Optimizer updates per batch (PPO's mini-batches); the policy version still advances once per
+    batch. Above 1, π_old needs its own forward pass at the start of the step."""
+    clip_low: float = 0.2
+    """PPO clip ε_low: the ratio is kept above 1 − ε_low."""
+    clip_high: float = 0.28
+    """PPO clip ε_high (clip-higher): the ratio is kept below 1 + ε_high."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (0 = off)."""
+    is_cap: float = 2.0
+    """C of the corrections: tis and seq-tis clamp the weight π_old/μ at C, decoupled drops tokens
+    whose π_prox/μ exceeds C (--correction none turns correction off)."""
+    geo_bound: float = 1.1
+    """geo-mask keeps a trajectory when the geometric mean of π_old/μ over its tokens is in
+    [1/geo_bound, geo_bound]."""
+    aggregation: str = "seq_mean_token_mean"
+    """Loss aggregation: "seq_mean_token_mean" (each trajectory weighs the same, as in the GRPO
+    paper), "token_mean" (each token weighs the same, as in DAPO) or "seq_mean_token_sum_norm"
+    (token sums over a constant --learner.norm-length, as in Dr.GRPO)."""
+    norm_length: int = 1024
+    """The constant length L of seq_mean_token_sum_norm."""
+    normalize_std: bool = True
+    """Divide GRPO advantages by the group's reward std; off gives Dr.GRPO."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference policy (the model with the adapter disabled) in the loss
+    (0 = off, no reference forward pass)."""
+    kl_estimator: str = "k3"
+    """KL estimator of the reference term: "k1", "k2" or "k3"."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (0 = off; entropy is still reported)."""
+    gamma: float = 1.0
+    """PPO: discount per action token in GAE."""
+    lam: float = 0.95
+    """PPO: GAE λ."""
+    value_clip: float = 0.2
+    """PPO: the value prediction is clipped to V_old ± this (0 = off)."""
+    vf_coef: float = 0.5
+    """PPO: weight of the value loss."""
+    critic_lr: float = 1e-3
+    """PPO: AdamW learning rate of the critic (its LoRA adapter and value head)."""
+    whiten_advantages: bool = True
+    """PPO: normalise GAE advantages to mean 0, std 1 over each rank's action tokens."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm, policy and critic separately (0 = off)."""
+    micro_batch: int = 64
+    """Trajectories per forward/backward pass on a rank (gradient accumulation above it)."""
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    device: str = "auto"
+    """"cpu", "cuda" or "auto" (cuda when available)."""
+    threads: int = 1
+    """Torch CPU threads per learner process."""
+    save_every: int = 0
+    """Save the adapter under --logdir every this many steps (0 = only at the end)."""
+
+    def __post_init__(self) -> None:
+        from learner.losses import AGGREGATIONS, KL_ESTIMATORS
+
+        if self.lr <= 0 or self.critic_lr <= 0:
+            raise ValueError(f"--learner.lr and --learner.critic-lr must be positive, got {self.lr}, {self.critic_lr}")
+        if self.groups_per_step < 1:
+            raise ValueError(f"--learner.groups-per-step must be at least 1, got {self.groups_per_step}")
+        if self.mini_batches < 1:
+            raise ValueError(f"--learner.mini-batches must be at least 1, got {self.mini_batches}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError("--learner.clip-low must be in [0, 1) and --learner.clip-high ≥ 0")
+        if self.dual_clip != 0 and self.dual_clip <= 1:
+            raise ValueError(f"--learner.dual-clip must be 0 (off) or above 1, got {self.dual_clip}")
+        if self.is_cap <= 0:
+            raise ValueError(f"--learner.is-cap must be positive, got {self.is_cap}; "
+                             "use --correction none to turn the correction off")
+        if self.geo_bound <= 1:
+            raise ValueError(f"--learner.geo-bound must be above 1, got {self.geo_bound}")
+        if self.micro_batch < 1:
+            raise ValueError(f"--learner.micro-batch must be at least 1, got {self.micro_batch}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"--learner.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.norm_length < 1:
+            raise ValueError(f"--learner.norm-length must be at least 1, got {self.norm_length}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"--learner.kl-estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
+            raise ValueError("--learner.kl-coef, --learner.entropy-coef and --learner.vf-coef must be ≥ 0")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"--learner.gamma and --learner.lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--learner.device must be auto, cpu or cuda, got {self.device!r}")
