@@ -57,6 +57,9 @@ def main(cfg: Config) -> int:
 
     env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    # `--env module:Class` imports the user's module in every actor: from the directory the job
+    # was started in, as it would be in this process.
+    env_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     parts = 1 + cfg.learners + cfg.actors
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
@@ -82,7 +85,7 @@ def main(cfg: Config) -> int:
             a.stop.remote()
         ray.get(runs, timeout=120)
         final = board.evals[-1] if board.evals else (0, float("nan"))
-        print(f"done: {board.last_step} steps in {time.time() - board.t0:.0f}s; maze-64 success "
+        print(f"done: {board.last_step} steps in {time.time() - board.t0:.0f}s; {cfg.env} eval success "
               f"{board.evals[0][1]:.1%} (v0) -> {final[1]:.1%} (v{final[0]}); adapter in {logdir}/adapter",
               flush=True)
         return 0
