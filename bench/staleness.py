@@ -142,7 +142,7 @@ def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
             print(f"  eta={eta} {correction}: step {k + 1}/{args.steps} reward {m['reward_mean']:.2f} "
                   f"staleness {m['staleness_mean']:.0f} is_w {m['is_weight_mean']:.2f} "
                   f"clip {m['clip_fraction']:.3f} masked {m['masked_fraction']:.3f} "
-                  f"mismatch_kl {m['mismatch_kl']:.4f} train {m['train_s']:.0f}s ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+                  f"mismatch_kl {m['mismatch_kl']:.4f} entropy {m['entropy']:.3f} train {m['train_s']:.0f}s ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
         train_s = time.time() - t0
         evaluator = Evaluator(cfg, model_path)
         evaluator.load(args.steps, adapters[args.steps].tensors)

@@ -337,11 +337,13 @@ class Learner:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def _adapter_tensors(self) -> dict:
-        """The full adapter on every rank (all ranks must call: gathering is collective)."""
+        """A snapshot of the full adapter on every rank (all ranks must call: gathering is collective).
+        Copies: on one rank `full_tensor()` is the parameter itself, and a snapshot must not move."""
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.model, adapter_name=POLICY)  # never the critic
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in state.items()}
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                for k, v in state.items()}
 
     def _publish(self) -> int:
         from replay.weights import Adapter

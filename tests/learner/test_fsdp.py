@@ -149,3 +149,46 @@ def test_ppo_trains_policy_and_critic_adapters_on_two_ranks(tiny_model):
     assert m0[0]["trained_fraction"] == 1.0  # the critic learns from uniform-reward groups too
     # the adapter starts as the identity (KL 0 on the first mini-batch) and has moved by the second
     assert 0 < m0[0]["kl_ref"] < 1 and m0[1]["kl_ref"] > 0
+
+
+def _one_rank(model, endpoint, url, out):
+    import torch
+
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=2), model, 0, 1, url, ZmqReplayClient(endpoint))
+    try:
+        learner.setup()
+        snapshot = learner._adapter_tensors()
+        kept = {k: v.numpy().copy() for k, v in snapshot.items()}
+        learner.step()
+        moved = {k: v.numpy() for k, v in learner._adapter_tensors().items()}
+        out.put((kept, {k: v.numpy() for k, v in snapshot.items()}, moved))
+    finally:
+        learner.close()
+
+
+def test_adapter_snapshots_on_one_rank_do_not_follow_training(tiny_model):
+    """With one rank `full_tensor()` is the parameter itself: a snapshot (what a stale actor
+    generates with) must be a copy, not a view that the next step moves."""
+    server = ReplayServer(ReplayBuffer(groups_per_step=2, max_staleness=0, num_shards=1), "tcp://127.0.0.1:*")
+    endpoint = server.start()
+    try:
+        client = ZmqReplayClient(endpoint, actor="actor-0")
+        for i in range(2):
+            client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0]))
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        p = ctx.Process(target=_one_rank, args=(tiny_model, endpoint, f"tcp://127.0.0.1:{_port()}", out))
+        p.start()
+        kept, snapshot, moved = out.get(timeout=240)
+        p.join(60)
+        assert p.exitcode == 0
+    finally:
+        server.stop()
+    assert any(not np.array_equal(moved[k], kept[k]) for k in kept if "lora_B" in k), "the step changed nothing"
+    for k in kept:
+        np.testing.assert_array_equal(snapshot[k], kept[k])
