@@ -29,7 +29,7 @@ from actors.engine import Engine, SamplingParams
 from actors.envrunner import EnvRunner
 from actors.rollout import Episode, close, start, turn
 from envs.base import TextEnv
-from replay.client import ActorReplay
+from replay.client import ActorReplay, ReplayUnavailable
 from replay.weights import WeightSource
 from replay.wire import Group
 
@@ -148,6 +148,10 @@ class Actor:
                 self._push(g)
                 pushed += 1
                 self.replay.request_credit()
+        try:
+            self.replay.flush(timeout=30.0)  # every finished group acknowledged before returning
+        except ReplayUnavailable as exc:
+            log.warning("%s: stopping with groups unacknowledged: %s", self.name, exc)
 
     def _start_group(self) -> _Live:
         seed = int(self.rng.integers(2**31 - 1))
@@ -166,7 +170,7 @@ class Actor:
                 log.warning("%s: environment error in an episode (%s): %s", self.name, g.task, e.error)
         group = Group(g.group_id, g.task, trajs, actor=self.name,
                       meta={"gen_s": time.perf_counter() - g.started})
-        self.replay.push(group)
+        self.replay.send(group)  # acknowledged later; resent until it is
         with self._lock:
             self._stats["groups"] += 1
             self._stats["trajectories"] += len(trajs)

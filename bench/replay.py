@@ -62,8 +62,9 @@ def _actor(args: Args, endpoint: str, name: str, stop) -> None:
     while not stop.is_set():
         for _ in client.credits(timeout=0.2):
             group.group_id = uuid.uuid4().hex
-            client.push(group)
+            client.send(group)
             client.request_credit()
+    client.flush(timeout=30)
     client.close()
 
 
@@ -152,7 +153,9 @@ def run_raw(args: Args) -> float:
 
 def main(args: Args) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    size = len(make_group(args, np.random.default_rng(0)).to_wire()["trajectories"]) * args.tokens * 13
+    from replay.wire import encode_group
+
+    size = len(encode_group(make_group(args, np.random.default_rng(0))))
     raw = run_raw(args)
     ours = run_replay(args, durable=False)
     durable = run_replay(args, durable=True)

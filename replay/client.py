@@ -4,8 +4,10 @@ Two small protocols mark the process boundary; `ZmqReplayClient` speaks to a
 `ReplayServer` over a DEALER socket and `LocalReplay` drives a `ReplayBuffer`
 in the same process (tests, debugging, a single-process run).
 
-Delivery: every push waits for its acknowledgement and is resent (after
-reconnecting) until one comes; the group id makes resending idempotent. A
+Delivery: every push is acknowledged, and resent (after reconnecting) until it
+is; the group id makes resending idempotent. `push` waits for its ack; `send`
+keeps up to `window` pushes in flight and settles their acks as they come, so
+an actor never idles on a round trip (`flush` waits for all of them). A
 request parked at the server (a credit, a batch) is re-sent when the server's
 epoch changes, i.e. when the replay process was restarted and forgot it.
 """
@@ -38,7 +40,8 @@ class ActorReplay(Protocol):
         replay.request_credit()                 # one per group the actor wants to start
         for version in replay.credits(timeout=1.0):
             ...generate a group with an adapter of at least `version`...
-            replay.push(group)                  # blocks until acknowledged
+            replay.send(group)                  # acknowledged later; resent until it is
+        replay.flush()                          # before exiting: every push acknowledged
     """
 
     def hello(self) -> None:
@@ -52,6 +55,12 @@ class ActorReplay(Protocol):
 
     def push(self, group: Group) -> str:
         """Store `group`; returns "stored", "duplicate" or "filtered". Retries until acknowledged."""
+
+    def send(self, group: Group) -> None:
+        """Store `group` without waiting for its acknowledgement (a bounded number may be pending)."""
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every sent group is acknowledged."""
 
 
 class LearnerReplay(Protocol):
@@ -80,9 +89,12 @@ class ZmqReplayClient:
     """Both sides over ZeroMQ. One client per thread (ZeroMQ sockets are not thread-safe)."""
 
     def __init__(self, endpoint: str, actor: str = "", key: bytes | None = None, timeout: float = 30.0,
-                 check_every: float = 5.0) -> None:
+                 check_every: float = 5.0, window: int = 8) -> None:
         self.endpoint, self.actor, self.key, self.timeout = endpoint, actor, key, timeout
-        self.check_every = check_every
+        self.check_every, self.window = check_every, window
+        self._unacked: dict[int, tuple[bytes, float]] = {}  # request id -> (blob, sent at)
+        self.statuses: dict[str, int] = {}
+        """Acknowledged pushes by status ("stored", "duplicate", "filtered")."""
         self._ctx = zmq.Context.instance()
         self._ids = itertools.count(1)
         self._granted: list[int] = []
@@ -118,6 +130,11 @@ class ZmqReplayClient:
         if msg["type"] == "credit":
             self._granted.append(int(msg["version"]))
             self._asked = max(self._asked - 1, 0)
+        elif msg.get("id") in self._unacked:
+            self._unacked.pop(msg["id"])
+            if msg["type"] == "error":
+                raise WireError(f"replay refused a group: {msg.get('reason')}")
+            self.statuses[msg["status"]] = self.statuses.get(msg["status"], 0) + 1
         return msg
 
     def _restarted(self) -> None:
@@ -126,6 +143,13 @@ class ZmqReplayClient:
             self._send("hello", actor=self.actor)
             for _ in range(self._asked):
                 self._send("credit", actor=self.actor)
+        self._resend()
+
+    def _resend(self) -> None:
+        """Send every unacknowledged group again (new request ids; the group id dedupes)."""
+        pending, self._unacked = list(self._unacked.values()), {}
+        for blob, _ in pending:
+            self._unacked[self._send("push", [blob])] = (blob, time.monotonic())
 
     def _call(self, msg_type: str, timeout: float | None, blobs: list = (), **fields) -> dict:
         rid = self._send(msg_type, blobs, **fields)
@@ -182,6 +206,32 @@ class ZmqReplayClient:
                 self._connect()
         raise ReplayUnavailable("push was never acknowledged")
 
+    def send(self, group: Group) -> None:
+        group.actor = group.actor or self.actor
+        blob = encode_group(group)
+        self._unacked[self._send("push", [blob])] = (blob, time.monotonic())
+        while self._recv(0) is not None:  # settle whatever has come back
+            pass
+        while len(self._unacked) >= self.window:
+            self._settle()
+
+    def flush(self, timeout: float | None = None) -> None:
+        start = time.monotonic()
+        while self._unacked:
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise ReplayUnavailable(f"{len(self._unacked)} pushes not acknowledged within {timeout:.0f}s")
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait briefly for acknowledgements; past `timeout` without one, reconnect and resend."""
+        if self._recv(0.5) is None and self._unacked:
+            oldest = min(sent for _, sent in self._unacked.values())
+            if time.monotonic() - oldest > self.timeout:
+                # Lost frames or a dead server: reconnect and resend; group ids make it idempotent.
+                self._sock.close(0)
+                self._connect()
+                self._resend()
+
     # -- learner side -------------------------------------------------------
     def sample(self, step: int, rank: int, version: int, timeout: float | None = None) -> list[Group]:
         msg = self._call("sample", timeout, step=step, rank=rank, version=version)
@@ -230,6 +280,12 @@ class LocalReplay:
             status = self.buffer.push(Entry.of(group, encode_group(group)), len(group.trajectories))
             self._cond.notify_all()
             return status
+
+    def send(self, group: Group) -> None:
+        self.push(group)
+
+    def flush(self, timeout: float | None = None) -> None:
+        pass  # every push is stored before it returns
 
     def sample(self, step: int, rank: int, version: int, timeout: float | None = None) -> list[Group]:
         deadline = None if timeout is None else time.monotonic() + timeout

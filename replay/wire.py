@@ -1,15 +1,23 @@
 """Wire types: declared once, encoded as msgpack with arrays as raw bytes.
 
-Every frame is a msgpack map with a schema version `v` and a `type`. Arrays
-travel as {"dtype", "n", "data"} with little-endian raw bytes. Decoding never
+Every frame is a msgpack map with a schema version `v` and a `type`; arrays
+travel as little-endian raw bytes inside group blobs (below). Decoding never
 trusts the peer: unknown schema, unknown type, wrong dtype, lengths that do not
 match, non-finite rewards or a frame over the size cap all raise `WireError`,
 which servers turn into an error reply and a counter. Nothing is pickled.
 
 With a key (the launcher makes one per run), every frame is prefixed with an
 HMAC-SHA256 of its body; a frame that is unsigned or tampered with is rejected
-before it is decoded. A group travels as nested msgpack bytes, so replay stores
-and serves exactly the bytes it validated, without re-encoding them.
+before it is decoded.
+
+A group travels as one blob that replay validates, stores and serves exactly as
+it arrived, without re-encoding it: a magic, a small msgpack header (ids,
+per-trajectory lengths, rewards, turns, finish reasons) and then every
+trajectory's arrays concatenated field by field as little-endian raw bytes
+(tokens, versions, log-probs: 4-byte aligned; then the mask). Encoding is one
+copy of the arrays; decoding copies nothing: the arrays are read-only views of
+the blob (a ZeroMQ frame on the learner), and the checks on their contents are
+a few vectorised passes over the whole group.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,31 +38,10 @@ MAX_FRAME = 64 << 20
 
 FINISH_REASONS = ("terminated", "truncated", "length", "env_error")
 """terminated/truncated: as the environment said; length: the context limit; env_error: the environment failed."""
-_DTYPES = {"int32": np.int32, "float32": np.float32, "uint8": np.uint8}
 
 
 class WireError(ValueError):
     """A frame that does not follow the schema."""
-
-
-def _array(a: np.ndarray, dtype: str) -> dict[str, Any]:
-    a = np.ascontiguousarray(a, dtype=_DTYPES[dtype]).astype(np.dtype(_DTYPES[dtype]).newbyteorder("<"), copy=False)
-    return {"dtype": dtype, "n": int(a.shape[0]), "data": a.tobytes()}
-
-
-_LITTLE = {name: np.dtype(t).newbyteorder("<") for name, t in _DTYPES.items()}
-
-
-def _unarray(obj: Any, dtype: str, what: str) -> np.ndarray:
-    """A read-only view of the array's bytes (no copy on little-endian hosts)."""
-    if not isinstance(obj, dict) or set(obj) != {"dtype", "n", "data"}:
-        raise WireError(f"{what}: expected an array map with dtype, n, data")
-    if obj["dtype"] != dtype:
-        raise WireError(f"{what}: dtype {obj['dtype']!r}, expected {dtype!r}")
-    n, data = obj["n"], obj["data"]
-    if not isinstance(n, int) or not isinstance(data, bytes) or n < 0 or len(data) != n * _LITTLE[dtype].itemsize:
-        raise WireError(f"{what}: length does not match its data")
-    return np.frombuffer(data, dtype=_LITTLE[dtype])
 
 
 def _get(obj: dict, key: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -83,35 +71,6 @@ class Trajectory:
         model = self.versions[self.mask.astype(bool)]
         return int(model.min()) if model.size else int(self.versions.min(initial=0))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"tokens": _array(self.tokens, "int32"), "logprobs": _array(self.logprobs, "float32"),
-                "mask": _array(self.mask, "uint8"), "versions": _array(self.versions, "int32"),
-                "reward": float(self.reward), "turns": int(self.turns), "finish_reason": self.finish_reason}
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> Trajectory:
-        what = "trajectory"
-        if not isinstance(obj, dict):
-            raise WireError(f"{what}: expected a map")
-        t = cls(tokens=_unarray(obj.get("tokens"), "int32", "tokens"),
-                logprobs=_unarray(obj.get("logprobs"), "float32", "logprobs"),
-                mask=_unarray(obj.get("mask"), "uint8", "mask"),
-                versions=_unarray(obj.get("versions"), "int32", "versions"),
-                reward=float(_get(obj, "reward", (int, float), what)),
-                turns=_get(obj, "turns", int, what),
-                finish_reason=_get(obj, "finish_reason", str, what))
-        n = t.tokens.shape[0]
-        if not (t.logprobs.shape[0] == t.mask.shape[0] == t.versions.shape[0] == n):
-            raise WireError(f"{what}: tokens, logprobs, mask and versions differ in length")
-        if n == 0 or t.tokens.min() < 0:
-            raise WireError(f"{what}: empty, or negative token ids")
-        # min/max are NaN when any element is: one pass each, and NaN fails every comparison
-        if not math.isfinite(t.reward) or not (np.isfinite(t.logprobs.min()) and t.logprobs.max() <= 1e-3):
-            raise WireError(f"{what}: reward or log-probs are not finite log-probabilities")
-        if t.mask.max() > 1 or t.turns < 0 or t.finish_reason not in FINISH_REASONS:
-            raise WireError(f"{what}: mask not 0/1, negative turns, or unknown finish reason")
-        return t
-
 
 @dataclass
 class Group:
@@ -122,38 +81,17 @@ class Group:
     trajectories: list[Trajectory]
     actor: str = ""
     meta: dict[str, float] = field(default_factory=dict)
+    _version: int | None = field(default=None, repr=False, compare=False)
+    """Set by `decode_group`, which computes it for the whole group at once."""
 
     @property
     def version(self) -> int:
-        return min(t.version for t in self.trajectories)
+        """The oldest version among the model's tokens of all trajectories."""
+        return self._version if self._version is not None else min(t.version for t in self.trajectories)
 
     @property
     def rewards(self) -> np.ndarray:
         return np.array([t.reward for t in self.trajectories], dtype=np.float32)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"group_id": self.group_id, "task": self.task, "actor": self.actor,
-                "meta": {k: float(v) for k, v in self.meta.items()},
-                "trajectories": [t.to_wire() for t in self.trajectories]}
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> Group:
-        what = "group"
-        if not isinstance(obj, dict):
-            raise WireError(f"{what}: expected a map")
-        trajs = _get(obj, "trajectories", list, what)
-        if not trajs or len(trajs) > 4096:
-            raise WireError(f"{what}: needs 1 to 4096 trajectories, got {len(trajs)}")
-        meta = obj.get("meta", {})
-        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
-                                                 for k, v in meta.items()):
-            raise WireError(f"{what}: meta must map names to numbers")
-        gid = _get(obj, "group_id", str, what)
-        if not 0 < len(gid) <= 128:
-            raise WireError(f"{what}: group_id must be 1 to 128 characters")
-        return cls(group_id=gid, task=_get(obj, "task", str, what)[:256],
-                   trajectories=[Trajectory.from_wire(t) for t in trajs],
-                   actor=str(obj.get("actor", ""))[:128], meta=dict(meta))
 
 
 MAC_BYTES = 32
@@ -237,13 +175,128 @@ def unpack_parts(parts: list, types: tuple[str, ...] | None = None, *,
     return obj, parts[1:]
 
 
-def encode_group(group: Group) -> bytes:
-    """A group as msgpack bytes: what `push` carries and replay stores and serves unchanged."""
-    return msgpack.packb(group.to_wire(), use_bin_type=True)
+GROUP_MAGIC = b"TGRP"
+_PREFIX = struct.Struct("<4sI")  # magic, header length
+_FIELDS = (("tokens", "<i4"), ("versions", "<i4"), ("logprobs", "<f4"), ("mask", "u1"))
+_BYTES_PER_TOKEN = sum(np.dtype(d).itemsize for _, d in _FIELDS)
+MAX_GROUP = 4096
+"""Most trajectories in one group."""
+
+
+def _payload_start(header_len: int) -> int:
+    return (_PREFIX.size + header_len + 7) // 8 * 8
+
+
+def group_blob(header: dict[str, Any], n_tokens: int, fill=None) -> bytearray:
+    """A group blob: the prefix, the msgpack `header`, and room for `n_tokens` tokens' arrays,
+    filled by `fill(payload_view)` (or zeros). `encode_group` is the usual way to make one."""
+    head = msgpack.packb(header, use_bin_type=True)
+    start = _payload_start(len(head))
+    out = bytearray(start + _BYTES_PER_TOKEN * n_tokens)
+    _PREFIX.pack_into(out, 0, GROUP_MAGIC, len(head))
+    out[_PREFIX.size:_PREFIX.size + len(head)] = head
+    if fill is not None:
+        fill(memoryview(out)[start:])
+    return out
+
+
+def group_parts(blob: Any) -> tuple[Any, memoryview]:
+    """(decoded header, payload view) of a group blob, checking only the framing."""
+    view = memoryview(blob).cast("B").toreadonly()
+    if len(view) > MAX_FRAME:
+        raise WireError(f"group of {len(view)} bytes exceeds the {MAX_FRAME}-byte cap")
+    if len(view) < _PREFIX.size:
+        raise WireError("group: too short to be a Tandem group")
+    magic, head_len = _PREFIX.unpack_from(view, 0)
+    if magic != GROUP_MAGIC:
+        raise WireError("group: not a Tandem group (bad magic)")
+    if head_len > min(len(view) - _PREFIX.size, 1 << 20):
+        raise WireError("group: header length runs past the frame")
+    header = _loads(view[_PREFIX.size:_PREFIX.size + head_len])
+    return header, view[_payload_start(head_len):]
+
+
+def encode_group(group: Group) -> bytearray:
+    """A group as one blob: what `push` carries and replay stores and serves unchanged."""
+    trajs = group.trajectories
+    lens = [int(np.shape(t.tokens)[0]) for t in trajs]
+    header = {"v": SCHEMA, "group_id": group.group_id, "task": group.task, "actor": group.actor,
+              "meta": {k: float(v) for k, v in group.meta.items()}, "lens": lens,
+              "rewards": [float(t.reward) for t in trajs], "turns": [int(t.turns) for t in trajs],
+              "finish": [t.finish_reason for t in trajs]}
+    n = sum(lens)
+
+    def fill(payload: memoryview) -> None:
+        offset = 0
+        for name, dtype in _FIELDS:
+            dst = np.frombuffer(payload, dtype=dtype, count=n, offset=offset)
+            pos = 0
+            for t, length in zip(trajs, lens):
+                dst[pos:pos + length] = getattr(t, name)
+                pos += length
+            offset += n * dst.itemsize
+
+    return group_blob(header, n, fill)
+
+
+def _list(header: dict, key: str, kind, n: int | None) -> list:
+    val = _get(header, key, list, "group")
+    if n is not None and len(val) != n:
+        raise WireError(f"group: {key!r} has {len(val)} entries for {n} trajectories")
+    if not all(isinstance(x, kind) and not isinstance(x, bool) for x in val):
+        raise WireError(f"group: {key!r} holds a value of the wrong type")
+    return val
 
 
 def decode_group(blob: Any) -> Group:
-    """Validate and decode bytes (or a buffer) made by `encode_group`."""
-    if not isinstance(blob, (bytes, memoryview)):
-        raise WireError("group: expected msgpack bytes")
-    return Group.from_wire(_loads(blob))
+    """Validate and decode a blob made by `encode_group` (bytes, or a buffer such as a ZeroMQ
+    frame). The trajectories' arrays are read-only views of the blob."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)) and not hasattr(blob, "buffer"):
+        raise WireError("group: expected a group blob")
+    header, payload = group_parts(getattr(blob, "buffer", blob))
+    what = "group"
+    if not isinstance(header, dict) or header.get("v") != SCHEMA:
+        raise WireError(f"group: not a schema-{SCHEMA} group header")
+    gid = _get(header, "group_id", str, what)
+    if not 0 < len(gid) <= 128:
+        raise WireError(f"{what}: group_id must be 1 to 128 characters")
+    meta = header.get("meta", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
+                                             for k, v in meta.items()):
+        raise WireError(f"{what}: meta must map names to numbers")
+    lens = _list(header, "lens", int, None)
+    if not 0 < len(lens) <= MAX_GROUP or min(lens) < 1:
+        raise WireError(f"{what}: needs 1 to {MAX_GROUP} trajectories, none empty")
+    rewards = [float(r) for r in _list(header, "rewards", (int, float), len(lens))]
+    turns = _list(header, "turns", int, len(lens))
+    finish = _list(header, "finish", str, len(lens))
+    if not all(math.isfinite(r) for r in rewards):
+        raise WireError(f"{what}: rewards must be finite")
+    if min(turns) < 0 or not set(finish) <= set(FINISH_REASONS):
+        raise WireError(f"{what}: negative turns, or unknown finish reason")
+    n = sum(lens)
+    if len(payload) != _BYTES_PER_TOKEN * n:
+        raise WireError(f"{what}: payload length does not match the trajectory lengths")
+    arrays, offset = {}, 0
+    for name, dtype in _FIELDS:
+        arrays[name] = np.frombuffer(payload, dtype=dtype, count=n, offset=offset)
+        offset += n * arrays[name].itemsize
+    tokens, versions, logprobs, mask = (arrays[k] for k in ("tokens", "versions", "logprobs", "mask"))
+    # min/max are NaN when any element is: one pass each, and NaN fails every comparison
+    if tokens.min() < 0 or mask.max() > 1:
+        raise WireError(f"{what}: negative token ids, or a mask that is not 0/1")
+    if not (np.isfinite(logprobs.min()) and logprobs.max() <= 1e-3):
+        raise WireError(f"{what}: log-probs are not finite log-probabilities")
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f)
+             for s, k, r, t, f in zip(starts.tolist(), lens, rewards, turns, finish)]
+    # The group's version (the oldest model token's) in two vectorised passes.
+    model_versions = np.where(mask.astype(bool), versions, np.iinfo(np.int32).max)
+    per_traj = np.minimum.reduceat(model_versions, starts)
+    unmasked = per_traj == np.iinfo(np.int32).max
+    if unmasked.any():
+        per_traj = np.where(unmasked, np.minimum.reduceat(versions, starts), per_traj)
+    group = Group(gid, _get(header, "task", str, what)[:256], trajs,
+                  actor=str(header.get("actor", ""))[:128], meta=dict(meta))
+    group._version = int(per_traj.min())
+    return group

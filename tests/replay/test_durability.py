@@ -91,6 +91,35 @@ def test_a_waiting_learner_and_a_pushing_actor_ride_through_a_restart(tmp_path):
         proc.wait()
 
 
+def test_pipelined_sends_are_all_delivered_exactly_once_across_a_restart(tmp_path):
+    port, log_dir = free_port(), tmp_path / "log"
+    endpoint = f"tcp://127.0.0.1:{port}"
+    proc = start_replay(port, log_dir)
+    actor = ZmqReplayClient(endpoint, actor="actor-0", key=KEY, timeout=2, window=4)
+    learner = ZmqReplayClient(endpoint, key=KEY, timeout=5, check_every=1.0)
+    groups = [make_group(seed=i) for i in range(12)]
+    for g in groups[:6]:
+        actor.send(g)  # some acknowledged, some still in flight when the server dies
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    sending = threading.Thread(target=lambda: ([actor.send(g) for g in groups[6:]], actor.flush(60)))
+    sending.start()  # the window fills; the actor waits, then resends everything unacknowledged
+    time.sleep(2.5)
+    proc = start_replay(port, log_dir)
+    try:
+        sending.join(90)
+        assert not sending.is_alive() and not actor._unacked
+        served = []
+        for step in range(6):
+            served += [g.group_id for g in learner.sample(step, 0, step, timeout=10)]
+            learner.ack(step, 0)
+        assert sorted(served) == sorted(g.group_id for g in groups)  # none lost, none twice
+        assert learner.stats()["queue_groups"] == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_consumed_segments_are_removed(tmp_path):
     log = ReplayLog(tmp_path, fsync="never", segment_bytes=3_000)
     log.recover()

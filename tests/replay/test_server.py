@@ -80,6 +80,16 @@ def test_duplicate_push_is_stored_once(server):
     assert stats["queue_groups"] == 1 and stats["duplicates"] == 1
 
 
+def test_pipelined_sends_are_acknowledged_and_deduplicated(server):
+    actor = ZmqReplayClient(server.endpoint, actor="a", window=3)
+    groups = [make_group(seed=i) for i in range(7)]
+    for g in groups + groups[:2]:
+        actor.send(g)
+    actor.flush(timeout=10)
+    assert actor.statuses == {"stored": 7, "duplicate": 2}
+    assert actor.stats()["queue_groups"] == 7
+
+
 def test_malformed_frames_get_errors_and_the_server_keeps_serving(server):
     from replay.wire import encode_group, pack_parts, unpack_parts
 

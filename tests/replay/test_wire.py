@@ -4,41 +4,68 @@ import msgpack
 import numpy as np
 import pytest
 
-from replay.wire import Group, WireError, pack, unpack
+from replay.wire import WireError, decode_group, encode_group, group_blob, group_parts, pack, unpack
 
 from tests.replay.helpers import make_group
 
 
 def test_group_round_trip_is_exact():
     g = make_group(version=3, seed=1)
-    frame = pack("push", id=1, group=g.to_wire())
-    back = Group.from_wire(unpack(frame)["group"])
-    assert back.group_id == g.group_id and back.version == 3
+    back = decode_group(bytes(encode_group(g)))
+    assert back.group_id == g.group_id and back.version == g.version == 3
     for a, b in zip(g.trajectories, back.trajectories):
         for f in ("tokens", "logprobs", "mask", "versions"):
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
-        assert (a.reward, a.turns, a.finish_reason) == (b.reward, b.turns, b.finish_reason)
+        assert (a.reward, a.turns, a.finish_reason, a.version) == (b.reward, b.turns, b.finish_reason, b.version)
 
 
-def corrupt(mutate):
-    obj = make_group().to_wire()
-    mutate(obj)
-    return obj
+def test_decoded_arrays_are_views_of_the_blob():
+    blob = encode_group(make_group(seed=2))
+    back = decode_group(memoryview(blob))
+    assert not back.trajectories[0].tokens.flags.writeable
+    assert np.shares_memory(back.trajectories[0].tokens, np.frombuffer(blob, np.uint8))
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda o: o["trajectories"][0]["tokens"].update(n=999), "length"),
-    (lambda o: o["trajectories"][0]["mask"].update(dtype="float32"), "dtype"),
-    (lambda o: o["trajectories"][0].update(reward=float("nan")), "finite"),
-    (lambda o: o["trajectories"][0].update(finish_reason="exploded"), "finish reason"),
-    (lambda o: o["trajectories"][0].pop("turns"), "turns"),
-    (lambda o: o.update(trajectories=[]), "trajectories"),
-    (lambda o: o.update(group_id=""), "group_id"),
-    (lambda o: o["trajectories"][0].update(tokens=b"raw"), "array"),
+def corrupt(mutate_header=None, mutate_payload=None) -> bytes:
+    """A valid group blob with its header or payload changed."""
+    header, payload = group_parts(encode_group(make_group()))
+    payload = bytearray(payload)
+    if mutate_header:
+        mutate_header(header)
+    if mutate_payload:
+        mutate_payload(payload)
+    n = len(payload) // 13
+    blob = group_blob(header, n)
+    blob[len(blob) - len(payload):] = payload
+    return bytes(blob)
+
+
+def _set(view, dtype, field_index, value, n):
+    offset = [0, 4 * n, 8 * n, 12 * n][field_index]
+    np.frombuffer(view, dtype, count=n, offset=offset)[0] = value
+
+
+@pytest.mark.parametrize("blob, message", [
+    (lambda: corrupt(lambda h: h["lens"].__setitem__(0, 999)), "payload length"),
+    (lambda: corrupt(lambda h: h["rewards"].__setitem__(0, float("nan"))), "finite"),
+    (lambda: corrupt(lambda h: h["finish"].__setitem__(0, "exploded")), "finish reason"),
+    (lambda: corrupt(lambda h: h.pop("turns")), "turns"),
+    (lambda: corrupt(lambda h: h["turns"].pop()), "'turns' has 3 entries for 4"),
+    (lambda: corrupt(lambda h: h.update(lens=[], rewards=[], turns=[], finish=[])), "trajectories"),
+    (lambda: corrupt(lambda h: h.update(group_id="")), "group_id"),
+    (lambda: corrupt(lambda h: h.update(v=99)), "schema"),
+    (lambda: corrupt(mutate_payload=lambda p: _set(p, "<i4", 0, -5, len(p) // 13)), "negative token"),
+    (lambda: corrupt(mutate_payload=lambda p: _set(p, "<f4", 2, float("nan"), len(p) // 13)), "log-probs"),
+    (lambda: corrupt(mutate_payload=lambda p: _set(p, "<f4", 2, 3.0, len(p) // 13)), "log-probs"),
+    (lambda: corrupt(mutate_payload=lambda p: _set(p, "u1", 3, 2, len(p) // 13)), "mask"),
+    (lambda: bytes(encode_group(make_group()))[:-1], "payload length"),
+    (lambda: b"TGRP\xff\xff\xff\x00" + b"x" * 10, "header length"),
+    (lambda: msgpack.packb({"v": 1, "group_id": "g"}), "magic"),
+    (lambda: b"", "too short"),
 ])
-def test_malformed_groups_are_rejected(mutate, message):
+def test_malformed_groups_are_rejected(blob, message):
     with pytest.raises(WireError, match=message):
-        Group.from_wire(corrupt(mutate))
+        decode_group(blob())
 
 
 def test_frames_outside_the_schema_are_rejected():
