@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -83,12 +84,13 @@ def _server(args: Args, log_dir, ready, stop) -> None:
 
 def run_replay(args: Args, durable: bool) -> float:
     ctx = mp.get_context("spawn")
-    ready, stop = ctx.Queue(), ctx.Event()
+    ready, stop, stop_actors = ctx.Queue(), ctx.Event(), ctx.Event()
     log_dir = tempfile.mkdtemp(prefix="tandem-bench-log-") if durable else None
     server = ctx.Process(target=_server, args=(args, log_dir, ready, stop))
     server.start()
     endpoint = ready.get(timeout=60)
-    actors = [ctx.Process(target=_actor, args=(args, endpoint, f"actor-{i}", stop)) for i in range(args.actors)]
+    actors = [ctx.Process(target=_actor, args=(args, endpoint, f"actor-{i}", stop_actors))
+              for i in range(args.actors)]
     for p in actors:
         p.start()
     from replay.client import ZmqReplayClient
@@ -103,9 +105,13 @@ def run_replay(args: Args, durable: bool) -> float:
         assert len(groups) == args.batch
         learner.ack(step, 0)
     elapsed = time.perf_counter() - t0
+    stop_actors.set()  # actors flush their last sends while the server still answers
+    for p in actors:
+        p.join(60)
     stop.set()
-    for p in actors + [server]:
-        p.join(30)
+    server.join(30)
+    if log_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return steps * args.batch / elapsed
 
 
