@@ -15,9 +15,13 @@ environment cannot flood the context by accident.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import gymnasium as gym
+import numpy as np
+
+T = TypeVar("T")
 
 Messages = tuple[dict[str, str], ...]
 
@@ -67,6 +71,18 @@ def messages(content: str | list | tuple) -> Messages:
         role = str(m.get("role", "user"))
         out.append({"role": clean_text(role, 16), "content": clean_text(m["content"])})
     return tuple(out)
+
+
+def distinct_tasks(draw: Callable[[np.random.Generator], T], seed: int, n: int,
+                   key: Callable[[T], str] = lambda task: task.key()) -> list[T]:
+    """The first `n` distinct tasks (by `key`) that `draw` makes from a generator seeded with
+    `seed`: how every environment builds its fixed evaluation set."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, T] = {}
+    while len(out) < n:
+        task = draw(rng)
+        out.setdefault(key(task), task)
+    return list(out.values())
 
 
 class TextEnv(gym.Env):

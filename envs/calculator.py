@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from envs.arith import ArithmeticRefused, Limits, evaluate, format_number, parse_number
-from envs.base import TextEnv
+from envs.base import TextEnv, distinct_tasks
 
 CALC64_SEED = 70070
 _CALC = re.compile(r"calc(?:ulate)?\s*(?::|\()\s*(.+)", re.IGNORECASE)
@@ -67,12 +67,7 @@ def make_problem(rng: np.random.Generator) -> Problem:
 
 
 def problem_set(seed: int, n: int) -> list[Problem]:
-    rng = np.random.default_rng(seed)
-    out: dict[str, Problem] = {}
-    while len(out) < n:
-        p = make_problem(rng)
-        out.setdefault(p.key(), p)
-    return list(out.values())
+    return distinct_tasks(make_problem, seed, n)
 
 
 @functools.lru_cache(maxsize=1)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from envs.arith import ArithmeticRefused, Limits, evaluate, format_number
-from envs.base import TextEnv
+from envs.base import TextEnv, distinct_tasks
 
 COUNTDOWN64_SEED = 24024
 _INTEGER = re.compile(r"\d+(?:\.\d+)?")
@@ -59,12 +59,7 @@ def make_puzzle(rng: np.random.Generator, n_numbers: int, max_number: int, max_t
 
 
 def puzzle_set(seed: int, n: int, n_numbers: int, max_number: int, max_target: int) -> list[Puzzle]:
-    rng = np.random.default_rng(seed)
-    out: dict[str, Puzzle] = {}
-    while len(out) < n:
-        p = make_puzzle(rng, n_numbers, max_number, max_target)
-        out.setdefault(p.key(), p)
-    return list(out.values())
+    return distinct_tasks(lambda rng: make_puzzle(rng, n_numbers, max_number, max_target), seed, n)
 
 
 @functools.lru_cache(maxsize=8)

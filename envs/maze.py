@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import TextEnv
+from envs.base import TextEnv, distinct_tasks
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 _ALIASES = {"u": "up", "n": "up", "north": "up", "d": "down", "s": "down", "south": "down",
@@ -122,12 +122,7 @@ def generate(rng: np.random.Generator, size: int, wall_density: float, min_path:
 
 def maze_set(seed: int, n: int, size: int, wall_density: float, min_path: int) -> list[Maze]:
     """`n` distinct mazes drawn from one seed (maze-64 is `maze_set(MAZE64_SEED, 64, ...)`)."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, Maze] = {}
-    while len(out) < n:
-        maze = generate(rng, size, wall_density, min_path)
-        out.setdefault(maze.key(), maze)
-    return list(out.values())
+    return distinct_tasks(lambda rng: generate(rng, size, wall_density, min_path), seed, n)
 
 
 @functools.lru_cache(maxsize=8)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import TextEnv
+from envs.base import TextEnv, distinct_tasks
 
 SQL64_SEED = 50050
 DB_SEED = 7
@@ -129,12 +129,7 @@ def make_question(rng: np.random.Generator) -> Question:
 
 
 def question_set(seed: int, n: int) -> list[Question]:
-    rng = np.random.default_rng(seed)
-    out: dict[str, Question] = {}
-    while len(out) < n:
-        q = make_question(rng)
-        out.setdefault(q.key(), q)
-    return list(out.values())
+    return distinct_tasks(make_question, seed, n)
 
 
 @functools.lru_cache(maxsize=1)
