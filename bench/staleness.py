@@ -66,7 +66,13 @@ class _Feed:
 
     def push(self, group) -> str:
         self.groups.append(group)
-        return "ok"
+        return "stored"
+
+    def send(self, group) -> None:
+        self.groups.append(group)
+
+    def flush(self, timeout: float = 0.0) -> None:
+        pass
 
     # LearnerReplay
     def sample(self, step: int, rank: int, version: int, timeout: float | None = None) -> list:
