@@ -79,10 +79,32 @@ class ReplayStats:
                 "credits_granted": self.credits_granted, "malformed_frames": self.malformed_frames}
 
 
+class RecentIds:
+    """The last `limit` group ids seen, in arrival order: enough to deduplicate resends (which
+    come within a client timeout of the original) at a bounded memory cost in week-long runs."""
+
+    def __init__(self, limit: int, ids=()) -> None:
+        self.limit = limit
+        self._ids: dict[str, None] = {}
+        for gid in ids:
+            self.add(gid)
+
+    def __contains__(self, gid: str) -> bool:
+        return gid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, gid: str) -> None:
+        self._ids[gid] = None
+        if len(self._ids) > self.limit:
+            del self._ids[next(iter(self._ids))]
+
+
 class ReplayBuffer:
     def __init__(self, groups_per_step: int, max_staleness: int, num_shards: int = 1,
                  capacity_groups: int = 4096, capacity_bytes: int = 4 << 30, order: str = "fifo",
-                 drop_zero_variance: bool = False, log=None) -> None:
+                 drop_zero_variance: bool = False, log=None, dedupe_window: int = 250_000) -> None:
         if groups_per_step < 1 or max_staleness < 0 or num_shards < 1:
             raise ValueError("groups_per_step ≥ 1, max_staleness ≥ 0 and num_shards ≥ 1 are required")
         if groups_per_step % num_shards:
@@ -99,7 +121,7 @@ class ReplayBuffer:
         self.stored_bytes = 0
         self.in_flight: Counter = Counter()  # actor -> credits outstanding
         self.queue: deque[Entry] = deque()
-        self.seen: set[str] = set()
+        self.seen = RecentIds(dedupe_window)
         self.batches: dict[int, list[list[Entry] | None]] = {}  # step -> shard per rank (None once acked)
         self.stats = ReplayStats()
         if log is not None:
@@ -108,7 +130,8 @@ class ReplayBuffer:
     def _recover(self) -> None:
         from replay.wire import decode_group
 
-        blobs, self.seen = self.log.recover()
+        blobs, seen = self.log.recover()
+        self.seen = RecentIds(self.seen.limit, seen)
         for blob in blobs:
             entry = Entry.of(decode_group(blob), blob)
             self.queue.append(entry)

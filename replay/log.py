@@ -48,16 +48,17 @@ class ReplayLog:
         self._last_sync = time.monotonic()
 
     # -- recovery -------------------------------------------------------------
-    def recover(self) -> tuple[list[bytes], set[str]]:
-        """Read the log: (unconsumed group blobs in arrival order, every group id ever stored)."""
+    def recover(self) -> tuple[list[bytes], list[str]]:
+        """Read the log: (unconsumed group blobs in arrival order, the ids of every group stored
+        in the log's segments, in order)."""
         stored: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
-        seen: set[str] = set()
+        seen: dict[str, None] = {}
         segments = sorted(int(p.stem) for p in self.dir.glob("*.seg"))
         for seg in segments:
             for body in self._records(seg, last=seg == segments[-1]):
                 rec = msgpack.unpackb(body, raw=False)
                 if rec["k"] == "g":
-                    seen.add(rec["id"])
+                    seen[rec["id"]] = None
                     stored[rec["id"]] = (rec["blob"], seg)
                 else:
                     for gid in rec["ids"]:
@@ -71,7 +72,7 @@ class ReplayLog:
         self._segment = segments[-1] if segments else 0
         self._roll()
         self._collect()
-        return [blob for blob, _ in stored.values()], seen
+        return [blob for blob, _ in stored.values()], list(seen)
 
     def _records(self, seg: int, last: bool):
         path = self._path(seg)

@@ -61,3 +61,12 @@ def test_restarted_actor_releases_its_credits():
 def test_shards_must_divide_the_batch():
     with pytest.raises(ValueError, match="divide"):
         ReplayBuffer(groups_per_step=3, max_staleness=0, num_shards=2)
+
+
+def test_deduplication_memory_is_bounded():
+    buf = ReplayBuffer(groups_per_step=2, max_staleness=1000, dedupe_window=3)
+    entries = [make_entry(seed=i) for i in range(5)]
+    for e in entries:
+        assert buf.push(e) == "stored"
+    assert len(buf.seen) == 3
+    assert buf.push(entries[4]) == "duplicate"  # a recent resend is still caught

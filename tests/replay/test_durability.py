@@ -148,7 +148,7 @@ def test_a_torn_tail_record_is_cut_off(tmp_path):
     with open(seg, "ab") as f:
         f.write(b"\x40\x00\x00\x00\x00\x00garbage")  # a crash mid-write
     blobs, seen = ReplayLog(tmp_path).recover()
-    assert len(blobs) == 1 and seen == {g.group_id}
+    assert len(blobs) == 1 and seen == [g.group_id]
 
 
 def test_bad_fsync_policy_is_a_clear_error(tmp_path):
