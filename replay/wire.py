@@ -181,6 +181,7 @@ _FIELDS = (("tokens", "<i4"), ("versions", "<i4"), ("logprobs", "<f4"), ("mask",
 _BYTES_PER_TOKEN = sum(np.dtype(d).itemsize for _, d in _FIELDS)
 MAX_GROUP = 4096
 """Most trajectories in one group."""
+_NOT_MODEL = 1 << 30  # policy versions are below this
 
 
 def _payload_start(header_len: int) -> int:
@@ -283,19 +284,18 @@ def decode_group(blob: Any) -> Group:
         offset += n * arrays[name].itemsize
     tokens, versions, logprobs, mask = (arrays[k] for k in ("tokens", "versions", "logprobs", "mask"))
     # min/max are NaN when any element is: one pass each, and NaN fails every comparison
-    if tokens.min() < 0 or mask.max() > 1:
-        raise WireError(f"{what}: negative token ids, or a mask that is not 0/1")
+    if tokens.min() < 0 or mask.max() > 1 or versions.min() < 0 or versions.max() >= _NOT_MODEL:
+        raise WireError(f"{what}: negative token ids or versions, or a mask that is not 0/1")
     if not (np.isfinite(logprobs.min()) and logprobs.max() <= 1e-3):
         raise WireError(f"{what}: log-probs are not finite log-probabilities")
     starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
     trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f)
              for s, k, r, t, f in zip(starts.tolist(), lens, rewards, turns, finish)]
-    # The group's version (the oldest model token's) in two vectorised passes.
-    model_versions = np.where(mask.astype(bool), versions, np.iinfo(np.int32).max)
-    per_traj = np.minimum.reduceat(model_versions, starts)
-    unmasked = per_traj == np.iinfo(np.int32).max
-    if unmasked.any():
-        per_traj = np.where(unmasked, np.minimum.reduceat(versions, starts), per_traj)
+    # The group's version (the oldest model token's) in two vectorised passes: tokens outside
+    # the mask get a bit above every valid version, so they never win the minimum.
+    per_traj = np.minimum.reduceat(versions | ((mask ^ 1).astype(np.int32) << 30), starts)
+    if (per_traj >= _NOT_MODEL).any():  # a trajectory without model tokens: its oldest token
+        per_traj = np.where(per_traj >= _NOT_MODEL, np.minimum.reduceat(versions, starts), per_traj)
     group = Group(gid, _get(header, "task", str, what)[:256], trajs,
                   actor=str(header.get("actor", ""))[:128], meta=dict(meta))
     group._version = int(per_traj.min())

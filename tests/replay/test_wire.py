@@ -55,6 +55,7 @@ def _set(view, dtype, field_index, value, n):
     (lambda: corrupt(lambda h: h.update(group_id="")), "group_id"),
     (lambda: corrupt(lambda h: h.update(v=99)), "schema"),
     (lambda: corrupt(mutate_payload=lambda p: _set(p, "<i4", 0, -5, len(p) // 13)), "negative token"),
+    (lambda: corrupt(mutate_payload=lambda p: _set(p, "<i4", 1, -1, len(p) // 13)), "versions"),
     (lambda: corrupt(mutate_payload=lambda p: _set(p, "<f4", 2, float("nan"), len(p) // 13)), "log-probs"),
     (lambda: corrupt(mutate_payload=lambda p: _set(p, "<f4", 2, 3.0, len(p) // 13)), "log-probs"),
     (lambda: corrupt(mutate_payload=lambda p: _set(p, "u1", 3, 2, len(p) // 13)), "mask"),
