@@ -28,7 +28,7 @@ import tyro
 class Args:
     actors: int = 2
     """Pushing processes (the same number of PUSH sockets for the baseline)."""
-    groups: int = 1200
+    groups: int = 5000
     """Groups the learner consumes in each run."""
     group_size: int = 8
     """Trajectories per group."""

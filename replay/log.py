@@ -7,7 +7,9 @@ directory replays the log: every acknowledged-but-unconsumed group is back, in
 order, and no consumed group is served again.
 
 Layout: segment files `00000001.seg`, `00000002.seg`, ... each a sequence of
-records `[u32 length][u32 crc32][msgpack body]`. A new segment starts when the
+records `[u32 length][u32 crc32][u32 meta length][msgpack meta][raw bytes]`
+(the raw bytes are a stored group's blob, written as it arrived; the crc covers
+everything after itself). A new segment starts when the
 current one passes `segment_bytes`. Segments are removed oldest first, once
 every group they hold is consumed: consumed markers only ever point backwards,
 so removing a prefix never forgets a marker that a live segment needs. A torn
@@ -30,6 +32,7 @@ from pathlib import Path
 import msgpack
 
 _HEADER = struct.Struct("<II")
+_META = struct.Struct("<I")
 FSYNC_POLICIES = ("always", "interval", "never")
 
 
@@ -56,10 +59,11 @@ class ReplayLog:
         segments = sorted(int(p.stem) for p in self.dir.glob("*.seg"))
         for seg in segments:
             for body in self._records(seg, last=seg == segments[-1]):
-                rec = msgpack.unpackb(body, raw=False)
+                (meta_len,) = _META.unpack_from(body)
+                rec = msgpack.unpackb(body[_META.size:_META.size + meta_len], raw=False)
                 if rec["k"] == "g":
                     seen[rec["id"]] = None
-                    stored[rec["id"]] = (rec["blob"], seg)
+                    stored[rec["id"]] = (body[_META.size + meta_len:], seg)
                 else:
                     for gid in rec["ids"]:
                         stored.pop(gid, None)
@@ -104,10 +108,13 @@ class ReplayLog:
         self._file = open(self._path(self._segment), "ab")
         self._live[self._segment] = set()
 
-    def _append(self, rec: dict) -> None:
-        body = msgpack.packb(rec, use_bin_type=True)
-        self._file.write(_HEADER.pack(len(body), zlib.crc32(body)))
-        self._file.write(body)
+    def _append(self, rec: dict, raw=b"") -> None:
+        meta = msgpack.packb(rec, use_bin_type=True)
+        head = _META.pack(len(meta)) + meta
+        raw = memoryview(raw).cast("B")
+        self._file.write(_HEADER.pack(len(head) + len(raw), zlib.crc32(raw, zlib.crc32(head))))
+        self._file.write(head)
+        self._file.write(raw)  # the blob as it arrived: no copy into a msgpack body
 
     def _sync(self, force: bool = False) -> None:
         self._file.flush()  # to the OS on every record: a killed process loses nothing
@@ -119,7 +126,7 @@ class ReplayLog:
 
     def stored(self, group_id: str, blob) -> None:
         """Record a stored group; durable per the fsync policy when this returns."""
-        self._append({"k": "g", "id": group_id, "blob": memoryview(blob)})
+        self._append({"k": "g", "id": group_id}, blob)
         self._live[self._segment].add(group_id)
         self._where[group_id] = self._segment
         self._sync()
