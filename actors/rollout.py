@@ -127,8 +127,7 @@ IDLE_WAIT_S = 0.2
 def _apply(calls, by_session: dict, chat, params: SamplingParams, max_tokens: int) -> None:
     for call in calls:
         ep = by_session.get(call.key)
-        if ep is None:
-            continue  # an episode of another batch on a shared runner
+        assert ep is not None, "a runner serves one batch of episodes: pass every live episode to turn()"
         ep.busy = False
         if call.error is not None:
             _broken(ep, chat, call.error)
