@@ -15,6 +15,7 @@ epoch changes, i.e. when the replay process was restarted and forgot it.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from typing import Protocol
@@ -25,6 +26,7 @@ from replay.buffer import Entry, ReplayBuffer
 from replay.wire import Group, WireError, decode_group, encode_group, pack_parts, unpack_parts
 
 REPLIES = ("ok", "credit", "ack", "batch", "stats", "error")
+log = logging.getLogger("tandem.replay")
 
 
 class ReplayUnavailable(RuntimeError):
@@ -94,7 +96,8 @@ class ZmqReplayClient:
         self.check_every, self.window = check_every, window
         self._unacked: dict[int, tuple[bytes, float]] = {}  # request id -> (blob, sent at)
         self.statuses: dict[str, int] = {}
-        """Acknowledged pushes by status ("stored", "duplicate", "filtered")."""
+        """Acknowledged sends by status ("stored", "duplicate", "filtered", or "refused": the
+        server found the group malformed)."""
         self._ctx = zmq.Context.instance()
         self._ids = itertools.count(1)
         self._granted: list[int] = []
@@ -132,9 +135,10 @@ class ZmqReplayClient:
             self._asked = max(self._asked - 1, 0)
         elif msg.get("id") in self._unacked:
             self._unacked.pop(msg["id"])
-            if msg["type"] == "error":
-                raise WireError(f"replay refused a group: {msg.get('reason')}")
-            self.statuses[msg["status"]] = self.statuses.get(msg["status"], 0) + 1
+            status = msg["status"] if msg["type"] == "ack" else "refused"
+            if status == "refused":  # a malformed group: resending cannot help; count it, go on
+                log.warning("replay refused a group: %s", msg.get("reason"))
+            self.statuses[status] = self.statuses.get(status, 0) + 1
         return msg
 
     def _restarted(self) -> None:

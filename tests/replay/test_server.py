@@ -88,6 +88,12 @@ def test_pipelined_sends_are_acknowledged_and_deduplicated(server):
     actor.flush(timeout=10)
     assert actor.statuses == {"stored": 7, "duplicate": 2}
     assert actor.stats()["queue_groups"] == 7
+    bad = make_group(seed=9)
+    bad.trajectories[0].logprobs[3] = float("nan")  # refused by the server, counted, not resent
+    actor.send(bad)
+    actor.send(make_group(seed=10))
+    actor.flush(timeout=10)
+    assert actor.statuses == {"stored": 8, "duplicate": 2, "refused": 1}
 
 
 def test_malformed_frames_get_errors_and_the_server_keeps_serving(server):
