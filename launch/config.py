@@ -130,9 +130,10 @@ class Config:
     algo: str = "grpo"
     """Advantage estimator: "grpo" (group-normalised; --learner.no-normalize-std gives Dr.GRPO),
     "rloo" (leave-one-out baseline) or "ppo" (a critic with its own LoRA adapter, GAE)."""
-    correction: str = "tis"
-    """Staleness / mismatch correction against the behaviour log-probs μ: "none" (PPO around μ),
-    "tis" (token-level truncated IS, min(π_old/μ, C)), "seq-tis" (sequence-level), "geo-mask"
+    correction: str = "none"
+    """Staleness / mismatch correction against the behaviour log-probs μ: "none" (PPO clipped
+    around μ: the measured default, most robust to staleness in bench.staleness and the fastest
+    default run), "tis" (token-level truncated IS, min(π_old/μ, C)), "seq-tis" (sequence-level), "geo-mask"
     (drop trajectories whose geometric-mean ratio is off), "decoupled" (AReaL's decoupled PPO)."""
     model: str = "auto"
     """Policy: "builtin:maze" (tiny model after the maze warm start, built locally on first use),

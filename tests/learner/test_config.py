@@ -37,7 +37,7 @@ def test_bad_learner_values_name_the_flag(kwargs, message):
 
 def test_defaults_are_the_measured_recipe():
     cfg = Config()
-    assert (cfg.algo, cfg.correction, cfg.learner.is_cap, cfg.learner.mini_batches) == ("grpo", "tis", 2.0, 1)
+    assert (cfg.algo, cfg.correction, cfg.learner.is_cap, cfg.learner.mini_batches) == ("grpo", "none", 2.0, 1)
 
 
 def test_command_line_rejects_an_unknown_algorithm():
