@@ -8,11 +8,27 @@ Design of the torch engine's cache: many episodes decode together in one batch
 KV cache laid out on a shared time axis. Each row appends its own new tokens at
 the shared next slots; a row with fewer new tokens leaves masked holes, and
 position ids carry each row's true positions, so no left padding is needed and
-a row's tokens are exactly the tokens it was given. Rows are selected (and the
-cache compacted) by session id, so multi-turn episodes reuse their KV cache
-across turns; a new adapter or a prompt that does not extend its row rebuilds
-the cache from the token lists, so behaviour log-probs always come from the
-weights that sampled them.
+a row's tokens are exactly the tokens it was given. Rows are selected by session id, so multi-turn episodes reuse their KV cache
+across turns; a prompt that does not extend its row rebuilds the cache from the
+token lists. When holes pile up, the cache is compacted by gathering each row's
+real slots to the front: keys carry their rotary positions, and attention does
+not depend on where in the cache a key sits, so this is exact and costs no
+forward pass.
+
+A new adapter either keeps the cache (the default, PipelineRL's in-flight
+update: running episodes continue on keys and values computed by the previous
+adapter, and every token sampled afterwards records the new version and the
+log-prob it was actually sampled with, so the behaviour log-probs stay exact) or,
+with `recompute_kv`, drops it so that the next turn re-prefills every live
+episode under the new weights (exact π_new prefixes, at the price of one prefill
+of every live context per update).
+
+With `merge_lora` (the default) the adapter is folded into the weights it
+adapts, W = W₀ + (α/r)·B·A, recomputed from a kept copy of W₀ at every update
+(never by subtracting the previous delta, so no rounding accumulates), and the
+forward pass runs no LoRA branch: a decoding step of a small model is mostly
+per-operation overhead, and the branch triples the operations of every linear
+layer. The copy of W₀ costs the memory of the adapted weights once more.
 """
 
 from __future__ import annotations
@@ -68,9 +84,10 @@ class Engine(Protocol):
 
 
 def make_engine(kind: str, model_path: str, lora, device: str = "cpu", seed: int = 0,
-                dtype: str = "float32") -> Engine:
+                dtype: str = "float32", recompute_kv: bool = False, merge_lora: bool = True) -> Engine:
     if kind == "torch":
-        return TorchEngine(model_path, lora, device=device, seed=seed, dtype=dtype)
+        return TorchEngine(model_path, lora, device=device, seed=seed, dtype=dtype, recompute_kv=recompute_kv,
+                           merge_lora=merge_lora)
     if kind == "vllm":
         from actors.vllm_engine import VLLMEngine
 
@@ -80,8 +97,9 @@ def make_engine(kind: str, model_path: str, lora, device: str = "cpu", seed: int
 
 class TorchEngine:
     def __init__(self, model_path: str, lora, device: str = "cpu", seed: int = 0,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", recompute_kv: bool = False, merge_lora: bool = True) -> None:
         import torch
+        from peft.tuners.lora import LoraLayer
 
         from policy.load import load_model, with_lora
 
@@ -91,6 +109,11 @@ class TorchEngine:
         self.pad_id = self.model.config.pad_token_id or 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
+        self.recompute_kv = recompute_kv
+        # (LoRA layer, its base weight W₀) for every adapted layer, when merging
+        self._merged = [(m, m.base_layer.weight.detach().clone()) for m in self.model.modules()
+                        if isinstance(m, LoraLayer)] if merge_lora else []
+        self._merge()
         self._reset_cache()
 
     # -- adapters ---------------------------------------------------------
@@ -101,8 +124,17 @@ class TorchEngine:
         unexpected = list(result.unexpected_keys)
         if unexpected:
             raise ValueError(f"adapter v{version} has tensors this model lacks: {unexpected[:3]}")
+        self._merge()
         self.version = version
-        self._reset_cache()  # cached keys/values came from the old weights
+        if self.recompute_kv:
+            self._reset_cache()  # the next turn re-prefills every live episode under the new weights
+
+    def _merge(self) -> None:
+        """W = W₀ + ΔW for every adapted layer; their forward then skips the LoRA branch."""
+        with self.torch.no_grad():
+            for layer, base in self._merged:
+                layer.base_layer.weight.copy_(base + layer.get_delta_weight("default").to(base.dtype))
+                layer.merged_adapters = ["default"]  # PEFT's forward: base layer only
 
     # -- generation -------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -157,10 +189,6 @@ class TorchEngine:
         torch = self.torch
         if sessions is None or self._cache is None or len(set(sessions)) != len(sessions):
             return self._rebuild(prompts, sessions)
-        longest = max(len(p) for p in prompts)
-        if self._mask.shape[1] > 2 * longest + 64:
-            # Holes left by finished rows and ragged turns: compact by re-prefilling.
-            return self._rebuild(prompts, sessions)
         index = {s: i for i, s in enumerate(self._sessions)}
         for s, p in zip(sessions, prompts):
             have = self._rows[index[s]] if s in index else []
@@ -182,7 +210,26 @@ class TorchEngine:
             self._mask = self._mask[idx]
             self._rows = [self._rows[r] for r in rows]
         self._sessions = list(sessions)
+        longest = max(len(r) for r in self._rows)
+        if self._mask.shape[1] > longest + max(64, longest // 2):  # holes: finished rows, ragged turns
+            self._compact()
         return [p[len(self._rows[i]):] for i, p in enumerate(prompts)]
+
+    def _compact(self) -> None:
+        """Move each row's real slots to the front of the time axis (a gather, no forward pass)."""
+        torch = self.torch
+        mask = self._mask
+        width = int(mask.sum(1).max())
+        # Stable order: real slots first, each row's in their original order.
+        order = torch.sort(1 - mask, dim=1, stable=True).indices[:, :width]  # [B, width]
+        for layer in self._cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            for name in ("keys", "values"):
+                t = getattr(layer, name)  # [B, heads, T, dim]
+                idx = order[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3])
+                setattr(layer, name, torch.gather(t, 2, idx).contiguous())
+        self._mask = torch.gather(mask, 1, order)
 
     def _add_rows(self, k: int) -> None:
         torch = self.torch

@@ -134,6 +134,7 @@ def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
     t0 = time.time()
     try:
         learner.setup()
+        learner.horizon = args.steps  # the default learning-rate schedule spans the budget, as in a run
         lora = cfg.learner.lora.to_dict()
         adapters = {0: Adapter(0, model_path, lora, learner._adapter_tensors())}
         history = []

@@ -19,7 +19,7 @@ from replay.server import ReplayConfig
 class MazeConfig:
     """The maze environment (used when --env maze)."""
 
-    size: int = 5
+    size: int = 4
     """Grid side in cells."""
     wall_density: float = 0.3
     """Probability that a cell is a wall."""

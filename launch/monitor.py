@@ -106,6 +106,7 @@ def step_scalars(m: dict) -> dict[str, float]:
         "learner/is_weight_max": m["is_weight_max"], "learner/mismatch_kl": m["mismatch_kl"],
         "learner/entropy": m["entropy"], "learner/masked_fraction": m["masked_fraction"],
         "learner/policy_loss": m["policy_loss"], "learner/trained_fraction": m["trained_fraction"],
+        "learner/lr": m["lr"],
         "rollout/reward_mean": m["reward_mean"], "rollout/seq_len_mean": m["seq_len_mean"],
         "async/staleness_mean": m["staleness_mean"], "async/staleness_max": m["staleness_max"],
         "perf/learner_idle_fraction": m["idle_fraction"], "perf/learner_train_s": m["train_s"],

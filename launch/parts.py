@@ -90,7 +90,8 @@ class ActorPart:
         _threads(cfg.actor.threads)
         name = f"actor-{index}"
         engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device,
-                             seed=cfg.seed * 1000 + index)
+                             seed=cfg.seed * 1000 + index, recompute_kv=cfg.actor.recompute_kv,
+                             merge_lora=cfg.actor.merge_lora)
         kwargs = cfg.env_kwargs()
         self.actor = Actor(cfg.actor, name, engine, Chat(load_tokenizer(model_path)),
                            lambda: make_env(cfg.env, **kwargs), ZmqReplayClient(replay_endpoint, actor=name, key=key),

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-NAME = "maze-sft-v1"
+NAME = "maze-sft-v2"
 """Directory name of the warm start under `policy.load.cache_dir()`."""
 
 VAL_SEED = 777

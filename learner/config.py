@@ -8,6 +8,30 @@ from dataclasses import dataclass, field
 from policy.load import LoraSpec
 
 
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+def lr_factor(schedule: str, step: int, horizon: int | None, final: float) -> float:
+    """The learning rate of optimizer step `step` (0-based) of `horizon`, as a fraction of the base:
+
+        constant  1
+        linear    1 − (1 − final)·p
+        cosine    final + (1 − final)·(1 + cos(π·p))/2
+    with p = min(step / (horizon − 1), 1), so the first step uses the base rate and the last
+    `final`. No horizon (a learner driven step by step without a budget): 1.
+    """
+    import math
+
+    if schedule == "constant" or not horizon or horizon <= 1:
+        return 1.0
+    p = min(step / (horizon - 1), 1.0)
+    if schedule == "linear":
+        return 1.0 - (1.0 - final) * p
+    if schedule == "cosine":
+        return final + (1.0 - final) * (1.0 + math.cos(math.pi * p)) / 2.0
+    raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {LR_SCHEDULES}")
+
+
 @dataclass
 class LearnerConfig:
     """The learner (FSDP ranks, LoRA, losses). The algorithm and the correction are the
@@ -15,6 +39,11 @@ class LearnerConfig:
 
     lr: float = 1.5e-3
     """AdamW learning rate for the LoRA weights."""
+    lr_schedule: str = "cosine"
+    """Learning-rate schedule over the run's --steps: "cosine" (from --learner.lr down to
+    --learner.lr-final × lr at the last step), "linear" (the same, in a straight line) or "constant"."""
+    lr_final: float = 0.1
+    """The schedule's last learning rate, as a fraction of --learner.lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     groups_per_step: int = 16
@@ -63,8 +92,11 @@ class LearnerConfig:
     """PPO: normalise GAE advantages to mean 0, std 1 over each rank's action tokens."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm, policy and critic separately (0 = off)."""
-    micro_batch: int = 64
-    """Trajectories per forward/backward pass on a rank (gradient accumulation above it)."""
+    micro_batch: int = 8
+    """Trajectories per forward/backward pass on a rank (gradient accumulation above it). Rows are
+    sorted by length first, so each pass pads only to its own longest row; small passes waste
+    little on padding and keep the [b, heads, T, T] attention small (measured on CPU, 64
+    trajectories of 150–900 tokens: 14.5 s in one pass, 7.0 s in passes of 16, 6.2 s of 8)."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     device: str = "auto"
     """"cpu", "cuda" or "auto" (cuda when available)."""
@@ -78,6 +110,10 @@ class LearnerConfig:
 
         if self.lr <= 0 or self.critic_lr <= 0:
             raise ValueError(f"--learner.lr and --learner.critic-lr must be positive, got {self.lr}, {self.critic_lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"--learner.lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if not 0 <= self.lr_final <= 1:
+            raise ValueError(f"--learner.lr-final is a fraction of --learner.lr in [0, 1], got {self.lr_final}")
         if self.groups_per_step < 1:
             raise ValueError(f"--learner.groups-per-step must be at least 1, got {self.groups_per_step}")
         if self.mini_batches < 1:

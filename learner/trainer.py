@@ -30,7 +30,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, lr_factor
 
 POLICY, CRITIC = "default", "critic"
 """PEFT adapter names: the policy (published to actors) and PPO's critic (never published)."""
@@ -62,6 +62,8 @@ class Learner:
         self.dist_url, self.replay, self.temperature, self.host = dist_url, replay, temperature, host
         self.key, self.algo, self.correction = key, algo, correction
         self.version = 0
+        self.horizon: int | None = None
+        """Steps the learning-rate schedule spans (set by `run` from its budget)."""
         self.publisher = None
         self.value_head = None
         self.metrics: list[dict] = []
@@ -105,10 +107,10 @@ class Learner:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.policy_params = [p for n, p in named if f".{CRITIC}." not in n]
         self.critic_params = [p for n, p in named if f".{CRITIC}." in n]
-        groups = [{"params": self.policy_params, "lr": self.cfg.lr}]
+        groups = [{"params": self.policy_params, "lr": self.cfg.lr, "base_lr": self.cfg.lr}]
         if self.value_head is not None:
             self.critic_params += list(self.value_head.parameters())
-            groups.append({"params": self.critic_params, "lr": self.cfg.critic_lr})
+            groups.append({"params": self.critic_params, "lr": self.cfg.critic_lr, "base_lr": self.cfg.critic_lr})
         self.optimizer = torch.optim.AdamW(groups, weight_decay=self.cfg.weight_decay)
         if self.rank == 0:
             from replay.weights import WeightPublisher
@@ -247,6 +249,9 @@ class Learner:
             if cfg.whiten_advantages:
                 advantages = whiten(advantages, batch.mask)
 
+        factor = lr_factor(cfg.lr_schedule, step, self.horizon, cfg.lr_final)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["base_lr"] * factor
         sums: dict[str, float] = {}
         total_share, is_max, loss_total = 0.0, 0.0, 0.0
         norms, critic_norms = [], []
@@ -310,7 +315,7 @@ class Learner:
             "staleness_max": float(batch.staleness.max()),
             "tokens": float(batch.mask.sum()), "trajectories": float(n),
             "seq_len_mean": float(batch.attention.sum(1).float().mean()),
-            "wait_s": t1 - t0, "train_s": t2 - t1, "publish_s": t3 - t2,
+            "wait_s": t1 - t0, "train_s": t2 - t1, "publish_s": t3 - t2, "lr": cfg.lr * factor,
         }
         if ppo:
             local["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
@@ -358,6 +363,7 @@ class Learner:
         """Train until `steps` optimizer steps in total (or fewer, see `limit`) or `stop`;
         returns the final version."""
         self.target = min(steps, getattr(self, "target", steps))
+        self.horizon = self.horizon or steps  # the schedule spans the budget, not a time-limited end
         while self.version < self.target and not (stop and stop.is_set()):
             self.step()
             if save_dir is not None and self.cfg.save_every and self.version % self.cfg.save_every == 0:

@@ -32,7 +32,9 @@ def resolve_model(name: str) -> str:
             os.replace(tmp, path) if not path.exists() else None
         return str(path)
     if name == "builtin:maze":
-        path = cache_dir() / "maze-sft-v1"
+        from launch.warmstart import NAME
+
+        path = cache_dir() / NAME
         if not (path / "config.json").exists():
             raise FileNotFoundError(
                 f"the maze warm start is not built yet at {path}; the launcher builds it "

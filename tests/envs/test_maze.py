@@ -18,13 +18,17 @@ def corridor() -> Maze:
 def test_moves_walls_and_goal():
     env = MazeEnv(size=3, max_steps=10)
     obs, info = env.reset(options={"maze": corridor()})
-    assert obs == ({"role": "user", "content": "start\ngoal: down right right\nopen: right\n@.#\n#.G"},)
+    assert obs == ({"role": "user", "content": "start\ngoal: down right right\nopen: right\nnew: right\n@.#\n#.G"},)
     assert info["optimal_steps"] == 3
     obs, r, term, trunc, info = env.step("down")  # into a wall: nothing changes
     assert (r, term, trunc, info["status"]) == (0.0, False, False, "wall down")
-    assert obs[0]["content"] == "wall down\ngoal: down right right\nopen: right\n@.#\n#.G"
+    assert obs[0]["content"] == "wall down\ngoal: down right right\nopen: right\nnew: right\n@.#\n#.G"
     obs, r, term, trunc, _ = env.step("right")
-    assert obs[0]["content"] == "moved\ngoal: down right\nopen: down left\n.@#\n#.G" and r == 0.0
+    # "new" leaves out the cell already visited (the start)
+    assert obs[0]["content"] == "moved\ngoal: down right\nopen: down left\nnew: down\n.@#\n#.G" and r == 0.0
+    obs, *_ = env.step("left")
+    assert obs[0]["content"].startswith("moved\ngoal: down right right\nopen: right\nnew: none\n")
+    env.step("right")
     env.step("down")
     obs, r, term, trunc, _ = env.step("RIGHT!")
     assert (r, term, trunc) == (1.0, True, False)

@@ -206,10 +206,10 @@ def test_sql_large_sorts_stay_in_memory(tmp_path, monkeypatch):
 
 def test_maze_size_option_and_curriculum():
     env = MazeEnv(size=5, curriculum="3@0,4@10")
-    grid = lambda obs: obs[0]["content"].splitlines()[3:]  # noqa: E731
+    grid = lambda obs: obs[0]["content"].splitlines()[4:]  # noqa: E731  (under four lines)
     assert len(grid(env.reset(seed=0, options={"policy_version": 0})[0])) == 3
     assert len(grid(env.reset(seed=0, options={"policy_version": 12})[0])) == 4
     assert len(grid(env.reset(seed=0, options={"size": 6})[0])) == 6
-    assert len(MazeEnv(size=5).reset(seed=0)[0][0]["content"].splitlines()[3:]) == 5
+    assert len(MazeEnv(size=5).reset(seed=0)[0][0]["content"].splitlines()[4:]) == 5
     with pytest.raises(ValueError, match="size@version"):
         MazeEnv(curriculum="three")

@@ -44,3 +44,24 @@ def test_command_line_rejects_an_unknown_algorithm():
     run = subprocess.run([sys.executable, "-m", "launch.async", "--algo", "a2c"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode != 0 and "--algo" in run.stdout + run.stderr
+
+
+def test_learning_rate_schedules_by_hand():
+    from learner.config import lr_factor
+
+    # cosine over 5 steps to 0.1: p = step/4; 0.1 + 0.9·(1 + cos(πp))/2
+    assert lr_factor("cosine", 0, 5, 0.1) == pytest.approx(1.0)
+    assert lr_factor("cosine", 2, 5, 0.1) == pytest.approx(0.55)      # cos(π/2) = 0: 0.1 + 0.45
+    assert lr_factor("cosine", 1, 5, 0.1) == pytest.approx(0.1 + 0.9 * (1 + 2 ** -0.5) / 2)  # 0.8682
+    assert lr_factor("cosine", 4, 5, 0.1) == pytest.approx(0.1)
+    assert lr_factor("cosine", 9, 5, 0.1) == pytest.approx(0.1)       # past the budget: stays at the end
+    assert lr_factor("linear", 1, 5, 0.2) == pytest.approx(0.8)       # 1 − 0.8·0.25
+    assert lr_factor("constant", 3, 5, 0.1) == 1.0
+    assert lr_factor("cosine", 3, None, 0.1) == 1.0                   # no budget, no schedule
+
+
+def test_bad_schedule_names_the_flag():
+    with pytest.raises(ValueError, match="--learner.lr-schedule"):
+        LearnerConfig(lr_schedule="step")
+    with pytest.raises(ValueError, match="--learner.lr-final"):
+        LearnerConfig(lr_final=1.5)
