@@ -46,8 +46,9 @@ class ActorConfig:
     """Completions sampled per task (G, the GRPO group)."""
     groups_in_flight: int = 4
     """Groups each actor plays concurrently (its batch is about this × group_size episodes)."""
-    temperature: float = 1.0
-    """Sampling temperature for training rollouts (evaluation is greedy)."""
+    temperature: float = 0.7
+    """Sampling temperature for training rollouts (evaluation is greedy); the learner scores tokens
+    at the same temperature, so the policy trained is the one sampled from."""
     max_new_tokens: int = 8
     """Most tokens the model may write in one turn."""
     max_tokens: int = 1024

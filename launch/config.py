@@ -118,7 +118,7 @@ class Config:
     colocate: bool = False
     """Synchronous on-policy mode: generation and training share the devices and take turns
     (generate a batch with the current weights, train on it, push the adapter, repeat)."""
-    steps: int = 150
+    steps: int = 250
     """Optimizer-step budget: the run ends after this many learner steps."""
     max_minutes: float = 28.0
     """Wall-clock budget of the whole run, warm start included (0 = none): when it is spent the
