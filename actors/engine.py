@@ -8,9 +8,9 @@ Design of the torch engine's cache: many episodes decode together in one batch
 KV cache laid out on a shared time axis. Each row appends its own new tokens at
 the shared next slots; a row with fewer new tokens leaves masked holes, and
 position ids carry each row's true positions, so no left padding is needed and
-a row's tokens are exactly the tokens it was given. Rows are selected by session id, so multi-turn episodes reuse their KV cache
-across turns; a prompt that does not extend its row rebuilds the cache from the
-token lists. When holes pile up, the cache is compacted by gathering each row's
+a row's tokens are exactly the tokens it was given. Rows are selected by
+session id, so multi-turn episodes reuse their KV cache across turns; a prompt
+that does not extend its row rebuilds the cache from the token lists. When holes pile up, the cache is compacted by gathering each row's
 real slots to the front: keys carry their rotary positions, and attention does
 not depend on where in the cache a key sits, so this is exact and costs no
 forward pass.
