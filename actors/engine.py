@@ -10,10 +10,10 @@ the shared next slots; a row with fewer new tokens leaves masked holes, and
 position ids carry each row's true positions, so no left padding is needed and
 a row's tokens are exactly the tokens it was given. Rows are selected by
 session id, so multi-turn episodes reuse their KV cache across turns; a prompt
-that does not extend its row rebuilds the cache from the token lists. When holes pile up, the cache is compacted by gathering each row's
-real slots to the front: keys carry their rotary positions, and attention does
-not depend on where in the cache a key sits, so this is exact and costs no
-forward pass.
+that does not extend its row rebuilds the cache from the token lists. When
+holes pile up, the cache is compacted by gathering each row's real slots to the
+front: keys carry their rotary positions, and attention does not depend on where
+in the cache a key sits, so this is exact and costs no forward pass.
 
 A new adapter either keeps the cache (the default, PipelineRL's in-flight
 update: running episodes continue on keys and values computed by the previous
