@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
 import sys
+import threading
 import time
 
 from launch.config import Config
@@ -47,6 +49,7 @@ def main(cfg: Config) -> int:
 
     hf_logging.disable_progress_bar()
     started = time.time()
+    _catch_interrupts()
     logdir = cfg.run_dir
     os.makedirs(logdir, exist_ok=True)
     model_path = resolve_policy(cfg)
@@ -97,6 +100,20 @@ def main(cfg: Config) -> int:
         ray.shutdown()
 
 
+_INTERRUPTED = threading.Event()
+
+
+def _catch_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt and also sets a flag the monitor loop checks every
+    second: a library call that swallows the exception cannot keep the job running."""
+    def handler(signum, frame):
+        _INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, handler)
+
+
 def _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, actors) -> None:
     import ray
 
@@ -111,6 +128,8 @@ def _monitor(cfg, model_path, board, replay, learners, training, weights, key, s
     limited = False
     try:
         while True:
+            if _INTERRUPTED.is_set():
+                raise KeyboardInterrupt
             done, _ = ray.wait(training, num_returns=len(training), timeout=1.0)
             if cfg.max_minutes and not limited and time.time() - started > 60 * cfg.max_minutes:
                 # Ranks run in lockstep and the driver's view lags by at most a step: two
