@@ -49,7 +49,6 @@ def main(cfg: Config) -> int:
 
     hf_logging.disable_progress_bar()
     started = time.time()
-    _catch_interrupts()
     logdir = cfg.run_dir
     os.makedirs(logdir, exist_ok=True)
     model_path = resolve_policy(cfg)
@@ -69,6 +68,7 @@ def main(cfg: Config) -> int:
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, parts), include_dashboard=False,
                  runtime_env={"env_vars": env_vars}, log_to_driver=True, logging_level="warning")
+    _catch_interrupts()  # after ray.init, which installs handlers of its own
     board = Board(logdir, cfg.steps)
     try:
         Replay = ray.remote(num_cpus=1)(ReplayPart)
