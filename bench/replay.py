@@ -38,6 +38,8 @@ class Args:
     """Groups per learner step."""
     fsync: str = "interval"
     """fsync policy of the durable run."""
+    arena_mb: int = 64
+    """Each actor's shared-memory arena (the same-host path; the socket runs use none)."""
 
 
 def make_group(args: Args, rng):
@@ -51,10 +53,10 @@ def make_group(args: Args, rng):
     return Group(uuid.uuid4().hex, "bench", trajs)
 
 
-def _actor(args: Args, endpoint: str, name: str, stop) -> None:
+def _actor(args: Args, endpoint: str, name: str, stop, arena_mb: int) -> None:
     from replay.client import ZmqReplayClient
 
-    client = ZmqReplayClient(endpoint, actor=name)
+    client = ZmqReplayClient(endpoint, actor=name, arena_bytes=arena_mb << 20)
     client.hello()
     group = make_group(args, np.random.default_rng(0))
     window = 4
@@ -82,20 +84,22 @@ def _server(args: Args, log_dir, ready, stop) -> None:
     server.stop()
 
 
-def run_replay(args: Args, durable: bool) -> float:
+def run_replay(args: Args, durable: bool, shared: bool) -> tuple[float, float]:
+    """(groups/s the learner consumed, fraction of groups that came through shared memory)."""
     ctx = mp.get_context("spawn")
     ready, stop, stop_actors = ctx.Queue(), ctx.Event(), ctx.Event()
     log_dir = tempfile.mkdtemp(prefix="tandem-bench-log-") if durable else None
     server = ctx.Process(target=_server, args=(args, log_dir, ready, stop))
     server.start()
     endpoint = ready.get(timeout=60)
-    actors = [ctx.Process(target=_actor, args=(args, endpoint, f"actor-{i}", stop_actors))
+    arena_mb = args.arena_mb if shared else 0
+    actors = [ctx.Process(target=_actor, args=(args, endpoint, f"actor-{i}", stop_actors, arena_mb))
               for i in range(args.actors)]
     for p in actors:
         p.start()
     from replay.client import ZmqReplayClient
 
-    learner = ZmqReplayClient(endpoint)
+    learner = ZmqReplayClient(endpoint, arena_bytes=arena_mb << 20)
     steps = args.groups // args.batch
     warm = 5
     for step in range(steps + warm):
@@ -105,6 +109,7 @@ def run_replay(args: Args, durable: bool) -> float:
         assert len(groups) == args.batch
         learner.ack(step, 0)
     elapsed = time.perf_counter() - t0
+    stats = learner.stats()
     stop_actors.set()  # actors flush their last sends while the server still answers
     for p in actors:
         p.join(60)
@@ -112,7 +117,7 @@ def run_replay(args: Args, durable: bool) -> float:
     server.join(30)
     if log_dir:
         shutil.rmtree(log_dir, ignore_errors=True)
-    return steps * args.batch / elapsed
+    return steps * args.batch / elapsed, stats["received_shared"] / max(stats["received_groups"], 1)
 
 
 def _pusher(args: Args, endpoint: str, stop) -> None:
@@ -163,16 +168,18 @@ def main(args: Args) -> dict:
 
     size = len(encode_group(make_group(args, np.random.default_rng(0))))
     raw = run_raw(args)
-    ours = run_replay(args, durable=False)
-    durable = run_replay(args, durable=True)
+    runs = [("replay, same host (shared memory)", False, True), ("replay + durable log, same host", True, True),
+            ("replay, socket only", False, False), ("replay + durable log, socket only", True, False)]
+    rates = [(name, *run_replay(args, durable, shared)) for name, durable, shared in runs]
     print(f"group: {args.group_size} trajectories x {args.tokens} tokens (~{size / 1024:.0f} KiB), "
-          f"{args.actors} pushing processes, {args.groups} groups per run")
-    print(f"{'path':<34}{'groups/s':>10}{'MB/s':>9}{'ratio':>8}")
-    for name, rate in [("bare ZeroMQ PUSH/PULL", raw), ("replay (credits, acks, batches)", ours),
-                       (f"replay + durable log (fsync={args.fsync})", durable)]:
-        print(f"{name:<34}{rate:>10.0f}{rate * size / 1e6:>9.0f}{rate / raw:>8.2f}")
+          f"{args.actors} pushing processes, {args.groups} groups per run, fsync={args.fsync} with the log")
+    print(f"{'path':<36}{'groups/s':>10}{'MB/s':>9}{'ratio':>8}{'via shm':>9}")
+    for name, rate, shm in [("bare ZeroMQ PUSH/PULL", raw, 0.0), *rates]:
+        print(f"{name:<36}{rate:>10.0f}{rate * size / 1e6:>9.0f}{rate / raw:>8.2f}{shm:>9.0%}")
+    (ours, _), (durable, _), (sock, _), (sock_durable, _) = [r[1:] for r in rates]
     result = {"groups_per_s": round(ours, 1), "raw_groups_per_s": round(raw, 1), "ratio": round(ours / raw, 3),
-              "groups_per_s_durable": round(durable, 1), "ratio_durable": round(durable / raw, 3)}
+              "groups_per_s_durable": round(durable, 1), "ratio_durable": round(durable / raw, 3),
+              "ratio_socket": round(sock / raw, 3), "ratio_durable_socket": round(sock_durable / raw, 3)}
     print(json.dumps(result))
     return result
 

@@ -52,7 +52,8 @@ class LearnerPart:
         torch.manual_seed(cfg.seed)  # same adapter initialisation on every rank
         self.cfg = cfg
         self.learner = Learner(cfg.learner, model_path, rank, cfg.learners, dist_url,
-                               ZmqReplayClient(replay_endpoint, key=key), temperature=cfg.actor.temperature,
+                               ZmqReplayClient(replay_endpoint, key=key, arena_bytes=cfg.replay.arena_mb << 20),
+                               temperature=cfg.actor.temperature,
                                host=cfg.replay.host, key=key, algo=cfg.algo, correction=cfg.correction)
 
     def setup(self):
@@ -89,12 +90,13 @@ class ActorPart:
 
         _threads(cfg.actor.threads)
         name = f"actor-{index}"
+        replay = ZmqReplayClient(replay_endpoint, actor=name, key=key, arena_bytes=cfg.replay.arena_mb << 20)
         engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device,
                              seed=cfg.seed * 1000 + index, recompute_kv=cfg.actor.recompute_kv,
                              merge_lora=cfg.actor.merge_lora)
         kwargs = cfg.env_kwargs()
         self.actor = Actor(cfg.actor, name, engine, Chat(load_tokenizer(model_path)),
-                           lambda: make_env(cfg.env, **kwargs), ZmqReplayClient(replay_endpoint, actor=name, key=key),
+                           lambda: make_env(cfg.env, **kwargs), replay,
                            WeightSubscriber(weight_endpoints, key=key), seed=cfg.seed * 1000 + index)
         self._stop = threading.Event()
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -43,12 +43,21 @@ class Entry:
     group_id: str
     version: int
     rewards: np.ndarray
-    blob: Any  # bytes, or the ZeroMQ frame it arrived in (served again without a copy)
+    blob: Any  # bytes, the ZeroMQ frame it arrived in, or a view of an actor's arena (served again without a copy)
     actor: str = ""
+    ref: list | None = None
+    """[arena, offset, length] when the blob lives in an actor's shared-memory arena (replay/arena.py)."""
+    release: Callable[[], None] | None = None
+    """Called once when replay is done with the group (consumed, dropped, or never stored)."""
 
     @classmethod
-    def of(cls, group: Group, blob: Any) -> Entry:
-        return cls(group.group_id, group.version, group.rewards, blob, group.actor)
+    def of(cls, group: Group, blob: Any, ref: list | None = None, release: Callable[[], None] | None = None) -> Entry:
+        return cls(group.group_id, group.version, group.rewards, blob, group.actor, ref, release)
+
+    def free(self) -> None:
+        if self.release is not None:
+            release, self.release = self.release, None
+            release()
 
 
 @dataclass
@@ -63,6 +72,8 @@ class ReplayStats:
     received_groups: int = 0
     received_trajectories: int = 0
     received_bytes: int = 0
+    received_shared: int = 0
+    """Groups that came through an actor's shared-memory arena rather than the socket."""
     served_groups: int = 0
     served_bytes: int = 0
     duplicates: int = 0
@@ -73,7 +84,7 @@ class ReplayStats:
 
     def to_dict(self) -> dict:
         return {"received_groups": self.received_groups, "received_trajectories": self.received_trajectories,
-                "received_bytes": self.received_bytes, "served_groups": self.served_groups,
+                "received_bytes": self.received_bytes, "received_shared": self.received_shared, "served_groups": self.served_groups,
                 "served_bytes": self.served_bytes, "duplicates": self.duplicates, "dropped": dict(self.dropped),
                 "staleness_served": {str(k): v for k, v in sorted(self.staleness_served.items())},
                 "credits_granted": self.credits_granted, "malformed_frames": self.malformed_frames}
@@ -118,6 +129,7 @@ class ReplayBuffer:
         self.log = log
         self.version = 0
         self.accepted = 0
+        self.pending = 0  # admitted, not yet committed (being written to the log)
         self.stored_bytes = 0
         self.in_flight: Counter = Counter()  # actor -> credits outstanding
         self.queue: deque[Entry] = deque()
@@ -145,7 +157,7 @@ class ReplayBuffer:
 
     @property
     def capacity(self) -> int:
-        flying = sum(self.in_flight.values())
+        flying = sum(self.in_flight.values()) + self.pending
         by_staleness = (self.eta + self.version + 1) * self.B - (self.accepted + flying)
         by_storage = self.capacity_groups - (len(self.queue) + flying)
         return min(by_staleness, by_storage) if self.stored_bytes < self.capacity_bytes else 0
@@ -161,24 +173,42 @@ class ReplayBuffer:
     def push(self, entry: Entry, trajectories: int = 0) -> str:
         """Store a group: "stored", "duplicate" (seen before: stored once) or "filtered"
         (zero reward variance with the dynamic-sampling filter on)."""
+        status = self.admit(entry)
+        if status is not None:
+            return status
+        if self.log is not None:
+            self.log.stored(entry.group_id, entry.blob)
+        self.commit(entry, trajectories)
+        return "stored"
+
+    def admit(self, entry: Entry) -> str | None:
+        """The first half of `push`: "duplicate" or "filtered", or None when the group is to be
+        stored; it is then pending (counted against capacity) until `commit`. A server with a
+        log writer commits once the group is on the log."""
         if self.in_flight[entry.actor] > 0:
             self.in_flight[entry.actor] -= 1
         if entry.group_id in self.seen:
             self.stats.duplicates += 1
+            entry.free()
             return "duplicate"
         self.seen.add(entry.group_id)
         if self.drop_zero_variance and np.ptp(entry.rewards) == 0:
             self.stats.dropped["zero_variance"] += 1
+            entry.free()
             return "filtered"
-        if self.log is not None:
-            self.log.stored(entry.group_id, entry.blob)
+        self.pending += 1
+        return None
+
+    def commit(self, entry: Entry, trajectories: int = 0) -> None:
+        """The second half of `push`: the group is stored and may be sampled."""
+        self.pending -= 1
         self.queue.append(entry)
         self.accepted += 1
         self.stored_bytes += len(entry.blob)
         self.stats.received_groups += 1
         self.stats.received_trajectories += trajectories
         self.stats.received_bytes += len(entry.blob)
-        return "stored"
+        self.stats.received_shared += entry.ref is not None
 
     # -- learners -----------------------------------------------------------
     def set_version(self, version: int) -> None:
@@ -211,6 +241,7 @@ class ReplayBuffer:
         ids = [e.group_id for e in shard]
         for e in shard:
             self.stored_bytes -= len(e.blob)
+            e.free()
         if self.log is not None:
             self.log.consumed(ids)
         return ids
@@ -224,6 +255,7 @@ class ReplayBuffer:
                 self.stats.dropped["stale"] += 1
                 if self.log is not None:
                     self.log.consumed([e.group_id])
+                e.free()
             else:
                 fresh.append(e)
         self.queue = fresh
@@ -239,6 +271,6 @@ class ReplayBuffer:
 
     def snapshot(self) -> dict:
         return {"version": self.version, "queue_groups": len(self.queue), "stored_bytes": self.stored_bytes,
-                "accepted": self.accepted, "in_flight": sum(self.in_flight.values()), "capacity": self.capacity,
+                "accepted": self.accepted, "in_flight": sum(self.in_flight.values()), "pending": self.pending, "capacity": self.capacity,
                 "shards_unacked": sum(s is not None for v in self.batches.values() for s in v),
                 **self.stats.to_dict()}

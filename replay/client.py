@@ -18,10 +18,11 @@ import itertools
 import logging
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import zmq
 
+from replay.arena import ARENA_DIR, Arena, ArenaReader, host_id
 from replay.buffer import Entry, ReplayBuffer
 from replay.wire import Group, WireError, decode_group, encode_group, pack_parts, unpack_parts
 
@@ -78,7 +79,8 @@ class LearnerReplay(Protocol):
 
     def sample(self, step: int, rank: int, version: int, timeout: float | None = None) -> list[Group]:
         """Block until step `step`'s batch is ready; return rank `rank`'s disjoint shard of it
-        (the same shard again if asked again before `ack`)."""
+        (the same shard again if asked again before `ack`). The trajectories' arrays are
+        read-only views that stay valid until `ack`: copy what must outlive it."""
 
     def ack(self, step: int, rank: int) -> None:
         """The shard of `step` has been trained on."""
@@ -88,20 +90,35 @@ class LearnerReplay(Protocol):
 
 
 class ZmqReplayClient:
-    """Both sides over ZeroMQ. One client per thread (ZeroMQ sockets are not thread-safe)."""
+    """Both sides over ZeroMQ. One client per thread (ZeroMQ sockets are not thread-safe).
+
+    On the replay's host an actor client writes groups into an arena of `arena_bytes` in
+    `arena_dir` and a learner client reads them there (replay/arena.py); `arena_bytes=0`
+    sends everything on the socket."""
 
     def __init__(self, endpoint: str, actor: str = "", key: bytes | None = None, timeout: float = 30.0,
-                 check_every: float = 5.0, window: int = 8) -> None:
+                 check_every: float = 5.0, window: int = 8, arena_bytes: int = 64 << 20,
+                 arena_dir: str = ARENA_DIR) -> None:
         self.endpoint, self.actor, self.key, self.timeout = endpoint, actor, key, timeout
         self.check_every, self.window = check_every, window
-        self._unacked: dict[int, tuple[bytes, float]] = {}  # request id -> (blob, sent at)
+        self._unacked: dict[int, tuple[Any, float]] = {}  # request id -> (blob or arena reference, sent at)
+        # Same host: an actor writes groups into its shared-memory arena, a learner reads them
+        # from the actors' arenas (replay/arena.py); either falls back to bytes on the socket.
+        self.host = host_id() if arena_bytes > 0 else None
+        self._arena_size, self._arena_dir = arena_bytes, arena_dir
+        self._arena: Arena | None = None
+        self._shared = False  # pushes go through the arena (replay opened it)
+        self._reader = ArenaReader(arena_dir) if self.host and not actor else None
+        self._unreadable = 0
         self.statuses: dict[str, int] = {}
         """Acknowledged sends by status ("stored", "duplicate", "filtered", or "refused": the
         server found the group malformed)."""
+        self.last_status = ""
         self._ctx = zmq.Context.instance()
         self._ids = itertools.count(1)
         self._granted: list[int] = []
         self._asked = 0  # credits requested and not yet granted
+        self._to_ask = 0  # of those, not yet sent to the server
         self._epoch: str | None = None
         self._heard = time.monotonic()
         self._connect()
@@ -113,6 +130,9 @@ class ZmqReplayClient:
 
     def close(self) -> None:
         self._sock.close(0)
+        if self._arena is not None:
+            self._arena.close()
+            self._arena, self._shared = None, False
 
     def _send(self, msg_type: str, blobs: list = (), **fields) -> int:
         rid = next(self._ids)
@@ -123,37 +143,82 @@ class ZmqReplayClient:
         if not self._sock.poll(int(timeout * 1000)):
             return None
         msg, blobs = unpack_parts(self._sock.recv_multipart(copy=False), REPLIES, key=self.key)
-        if blobs:
-            msg["blobs"] = blobs
+        msg["blobs"] = blobs  # the frames, in place of their count
         self._heard = time.monotonic()
         epoch = msg.get("epoch")
         if self._epoch is not None and epoch != self._epoch:
             self._restarted()
         self._epoch = epoch
         if msg["type"] == "credit":
-            self._granted.append(int(msg["version"]))
-            self._asked = max(self._asked - 1, 0)
+            versions = msg.get("versions")
+            if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
+                raise WireError("credit: versions must be a list of integers")
+            self._granted += versions
+            self._asked = max(self._asked - len(versions), 0)
+        elif msg.get("arena") is False and self._shared:
+            log.info("replay cannot open this actor's arena (%s): groups go on the socket", msg.get("reason"))
+            self._shared = False
         elif msg.get("id") in self._unacked:
-            self._unacked.pop(msg["id"])
+            item, _ = self._unacked.pop(msg["id"])
+            if msg["type"] == "error" and isinstance(item, list) and str(msg.get("reason")).startswith("arena:"):
+                self._push_bytes(item)  # replay could not use the reference: send the bytes instead
+                return msg
             status = msg["status"] if msg["type"] == "ack" else "refused"
             if status == "refused":  # a malformed group: resending cannot help; count it, go on
                 log.warning("replay refused a group: %s", msg.get("reason"))
             self.statuses[status] = self.statuses.get(status, 0) + 1
+            self.last_status = status
         return msg
 
     def _restarted(self) -> None:
         """The server is a new process: requests parked at the old one are gone."""
         if self.actor:
-            self._send("hello", actor=self.actor)
-            for _ in range(self._asked):
-                self._send("credit", actor=self.actor)
+            if self._arena is not None:  # its references to our arena died with it
+                self._arena.free_all_but(self._pending_extents())
+            self._send("hello", actor=self.actor, **self._offer())
+            self._to_ask = self._asked  # every credit still wanted, in one request
         self._resend()
 
     def _resend(self) -> None:
         """Send every unacknowledged group again (new request ids; the group id dedupes)."""
         pending, self._unacked = list(self._unacked.values()), {}
-        for blob, _ in pending:
-            self._unacked[self._send("push", [blob])] = (blob, time.monotonic())
+        for item, _ in pending:
+            self._push_item(item)
+
+    def _push_item(self, item) -> None:
+        """Send a push: a blob, or an [arena, offset, length] reference to one."""
+        rid = self._send("push", shm=item) if isinstance(item, list) else self._send("push", [item])
+        self._unacked[rid] = (item, time.monotonic())
+
+    def _push_bytes(self, ref: list) -> None:
+        """Send the bytes of an arena push again, on the socket, and free its extent."""
+        blob = bytes(self._arena.view(ref[1], ref[2]))
+        self._arena.free(ref[1])
+        self._push_item(blob)
+
+    def _pending_extents(self) -> set[int]:
+        return {item[1] for item, _ in self._unacked.values() if isinstance(item, list)}
+
+    def _offer(self) -> dict:
+        """The hello fields that offer replay this actor's arena."""
+        return {"arena": self._arena.name, "token": self._arena.token} if self._arena is not None else {}
+
+    def _encode(self, group: Group):
+        """The push item for `group`: a reference into the arena when replay reads it, else bytes."""
+        group.actor = group.actor or self.actor
+        if not self._shared:
+            return encode_group(group)
+        where = []
+
+        def alloc(size: int):
+            extent = self._arena.alloc(size, keep=self._pending_extents())
+            if extent is None:
+                return None  # full, or too big: this one goes on the socket
+            where.extend((extent[0], size))
+            return extent[1]
+
+        blob = encode_group(group, alloc)
+        return [self._arena.name, *where] if where else blob
 
     def _call(self, msg_type: str, timeout: float | None, blobs: list = (), **fields) -> dict:
         rid = self._send(msg_type, blobs, **fields)
@@ -182,13 +247,21 @@ class ZmqReplayClient:
 
     # -- actor side ---------------------------------------------------------
     def hello(self) -> None:
-        self._call("hello", self.timeout, actor=self.actor)
+        if self._arena is None and self.host and self.actor:
+            self._arena = Arena.create(self._arena_size, self._arena_dir)
+        reply = self._call("hello", self.timeout, actor=self.actor, **self._offer())
+        self._shared = reply.get("arena") is True
+        if self._arena is not None and not self._shared:
+            log.info("replay cannot open this actor's arena (%s): groups go on the socket", reply.get("reason"))
 
     def request_credit(self) -> None:
         self._asked += 1
-        self._send("credit", actor=self.actor)
+        self._to_ask += 1  # sent by the next `credits`, together with any others asked for by then
 
     def credits(self, timeout: float) -> list[int]:
+        if self._to_ask:
+            self._send("credit", actor=self.actor, n=self._to_ask)
+            self._to_ask = 0
         if not self._granted:
             if self._recv(timeout) is None and self._asked and time.monotonic() - self._heard > self.check_every:
                 self._heard = time.monotonic()
@@ -199,21 +272,14 @@ class ZmqReplayClient:
         return out
 
     def push(self, group: Group) -> str:
-        group.actor = group.actor or self.actor
-        blob = encode_group(group)
-        for _ in range(1000):
-            try:
-                return self._call("push", self.timeout, [blob])["status"]
-            except ReplayUnavailable:
-                # Lost frame or a dead server: reconnect and resend; the group id makes it idempotent.
-                self.close()
-                self._connect()
-        raise ReplayUnavailable("push was never acknowledged")
+        """Send `group` and wait for its acknowledgement (resending, reconnecting, as needed)."""
+        self.flush()  # earlier sends first, so the status read below is this group's
+        self.send(group)
+        self.flush()
+        return self.last_status
 
     def send(self, group: Group) -> None:
-        group.actor = group.actor or self.actor
-        blob = encode_group(group)
-        self._unacked[self._send("push", [blob])] = (blob, time.monotonic())
+        self._push_item(self._encode(group))
         while self._recv(0) is not None:  # settle whatever has come back
             pass
         while len(self._unacked) >= self.window:
@@ -237,9 +303,32 @@ class ZmqReplayClient:
                 self._resend()
 
     # -- learner side -------------------------------------------------------
-    def sample(self, step: int, rank: int, version: int, timeout: float | None = None) -> list[Group]:
-        msg = self._call("sample", timeout, step=step, rank=rank, version=version)
-        return [decode_group(memoryview(g)) for g in msg.get("blobs", [])]
+    def sample(self, step: int, rank: int, version: int, timeout: float | None = None,
+               by_reference: bool = True) -> list[Group]:
+        host = self.host if self._reader is not None and by_reference else None
+        msg = self._call("sample", timeout, step=step, rank=rank, version=version, host=host)
+        blobs, refs = msg.get("blobs", []), msg.get("refs")
+        if refs is None:
+            return [decode_group(memoryview(g)) for g in blobs]
+        if not isinstance(refs, list) or sum(r is None for r in refs) != len(blobs):
+            raise WireError("batch: references do not match the frames")
+        groups, frames = [], iter(blobs)
+        try:  # arena blobs are read in place: replay validated them, and holds them until `ack`
+            for ref in refs:
+                groups.append(decode_group(memoryview(next(frames))) if ref is None
+                              else decode_group(self._reader.view(ref), checked=True))
+        except WireError as exc:
+            if not str(exc).startswith("arena:"):
+                raise
+            # An arena this learner cannot open (its actor exited, or another /dev/shm): the
+            # shard stays assigned, so ask for the same one as bytes. Three times in a row: stop asking.
+            self._unreadable += 1
+            log.info("cannot read an actor's arena (%s): this batch comes on the socket", exc)
+            if self._unreadable >= 3:
+                self._reader = None
+            return self.sample(step, rank, version, timeout, by_reference=False)
+        self._unreadable = 0
+        return groups
 
     def ack(self, step: int, rank: int) -> None:
         self._call("ack", self.timeout, step=step, rank=rank)

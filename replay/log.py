@@ -6,49 +6,81 @@ acknowledges it. After a crash (even SIGKILL) a new replay process on the same
 directory replays the log: every acknowledged-but-unconsumed group is back, in
 order, and no consumed group is served again.
 
-Layout: segment files `00000001.seg`, `00000002.seg`, ... each a sequence of
-records `[u32 length][u32 crc32][u32 meta length][msgpack meta][raw bytes]`
-(the raw bytes are a stored group's blob, written as it arrived; the crc covers
-everything after itself). A new segment starts when the
-current one passes `segment_bytes`. Segments are removed oldest first, once
-every group they hold is consumed: consumed markers only ever point backwards,
-so removing a prefix never forgets a marker that a live segment needs. A torn
-record at the end of the last segment (a crash mid-write) is cut off.
+Layout: segment files `00000001.seg`, `00000002.seg`, ... Each starts with a
+4 KiB block holding the format's magic, then records, each starting on a 4 KiB
+boundary: a head `[u32 meta length][u32 raw length][u32 crc32][msgpack meta]`
+zero-padded to whole blocks, then the raw bytes (a stored group's blob, as it
+arrived) zero-padded to whole blocks. The crc covers meta and raw bytes. A new
+segment starts when the current one passes `segment_bytes`. Segments are
+removed oldest first, once every group they hold is consumed: consumed markers
+only ever point backwards, so removing a prefix never forgets a marker that a
+live segment needs. A torn record at the end of the last segment (a crash
+mid-write) is cut off.
+
+Writes: one `pwritev` per record. Where the filesystem allows it, segments are
+opened with O_DIRECT: the blob goes from the memory it arrived in (a ZeroMQ
+frame, copied once into an aligned buffer, or an actor's page-aligned arena,
+not copied at all) to the device, without a copy into the page cache; the
+process is not left holding a dirty gigabyte for the next fsync. Elsewhere
+(tmpfs, some network filesystems) the same layout is written through the page
+cache.
 
 fsync policy: "always" (fsync before every acknowledgement: survives power
 loss), "interval" (at most every `fsync_interval_s`: survives a process crash,
-as the OS has the bytes), "never" (leave it to the OS).
+as the OS or the device has the bytes), "never" (leave it to the OS).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import queue
 import struct
+import threading
 import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
 
 import msgpack
+import numpy as np
+import zmq
 
-_HEADER = struct.Struct("<II")
-_META = struct.Struct("<I")
+BLOCK = 4096
+MAGIC = b"TANDEM-REPLAY-LOG-2\n"
+_HEAD = struct.Struct("<III")  # meta length, raw length, crc32
+_MAX_META = 64 << 20
 FSYNC_POLICIES = ("always", "interval", "never")
+
+
+def blocks(n: int) -> int:
+    """`n` rounded up to whole blocks."""
+    return (n + BLOCK - 1) // BLOCK * BLOCK
+
+
+def _address(buf) -> int:
+    return np.frombuffer(buf, np.uint8).ctypes.data if len(buf) else 0
 
 
 class ReplayLog:
     def __init__(self, directory: str | os.PathLike, fsync: str = "interval", fsync_interval_s: float = 1.0,
-                 segment_bytes: int = 256 << 20) -> None:
+                 segment_bytes: int = 256 << 20, direct: bool = True) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"--replay.fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync, self.fsync_interval_s, self.segment_bytes = fsync, fsync_interval_s, segment_bytes
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        """Segments opened with O_DIRECT (turned off, for good, where the filesystem refuses it)."""
         self._live: OrderedDict[int, set[str]] = OrderedDict()  # segment -> unconsumed group ids in it
         self._where: dict[str, int] = {}
-        self._file = None
+        self._fd: int | None = None
+        self._pos = self._written = 0  # end of the segment with, and without, what is queued
+        self._queued: list = []
         self._segment = 0
         self._last_sync = time.monotonic()
+        self._scratch = mmap.mmap(-1, 8 << 20)  # page-aligned: heads, and blobs that are not
+        self._used = 0
 
     # -- recovery -------------------------------------------------------------
     def recover(self) -> tuple[list[bytes], list[str]]:
@@ -58,12 +90,10 @@ class ReplayLog:
         seen: dict[str, None] = {}
         segments = sorted(int(p.stem) for p in self.dir.glob("*.seg"))
         for seg in segments:
-            for body in self._records(seg, last=seg == segments[-1]):
-                (meta_len,) = _META.unpack_from(body)
-                rec = msgpack.unpackb(body[_META.size:_META.size + meta_len], raw=False)
+            for rec, raw in self._records(seg, last=seg == segments[-1]):
                 if rec["k"] == "g":
                     seen[rec["id"]] = None
-                    stored[rec["id"]] = (body[_META.size + meta_len:], seg)
+                    stored[rec["id"]] = (raw, seg)
                 else:
                     for gid in rec["ids"]:
                         stored.pop(gid, None)
@@ -81,66 +111,141 @@ class ReplayLog:
     def _records(self, seg: int, last: bool):
         path = self._path(seg)
         data = path.read_bytes()
-        pos = 0
-        while pos + _HEADER.size <= len(data):
-            n, crc = _HEADER.unpack_from(data, pos)
-            body = data[pos + _HEADER.size: pos + _HEADER.size + n]
-            if len(body) < n or zlib.crc32(body) != crc:
+        if not data.strip(b"\0"):
+            return  # created, and the process died before its first block was written
+        if data[:len(MAGIC)] != MAGIC:
+            raise RuntimeError(f"{path} is not a replay log segment of this version "
+                               f"(expected {MAGIC!r} at its start)")
+        pos = BLOCK
+        while pos + _HEAD.size <= len(data):
+            meta_len, raw_len, crc = _HEAD.unpack_from(data, pos)
+            start = pos + blocks(_HEAD.size + meta_len)
+            if not 0 < meta_len <= _MAX_META or start + raw_len > len(data):
                 break
-            yield body
-            pos += _HEADER.size + n
+            meta = data[pos + _HEAD.size:pos + _HEAD.size + meta_len]
+            raw = data[start:start + raw_len]
+            if zlib.crc32(raw, zlib.crc32(meta)) != crc:
+                break
+            yield msgpack.unpackb(meta, raw=False), raw
+            pos = start + blocks(raw_len)
         if pos < len(data):
             if not last:
                 raise RuntimeError(f"replay log segment {path} is corrupt at byte {pos}")
-            with open(path, "r+b") as f:  # a torn write at the tail: cut it off
-                f.truncate(pos)
+            os.truncate(path, pos)  # a torn write at the tail: cut it off
 
     # -- appending -------------------------------------------------------------
     def _path(self, seg: int) -> Path:
         return self.dir / f"{seg:08d}.seg"
 
+    def _open(self, path: Path, direct: bool) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        return os.open(path, flags, 0o600)
+
     def _roll(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
+        if self._fd is not None:
+            self._flush()
+            os.fsync(self._fd)
+            os.close(self._fd)
         self._segment += 1
-        self._file = open(self._path(self._segment), "ab")
+        path = self._path(self._segment)
+        try:
+            self._fd = self._open(path, self.direct)
+        except OSError:  # O_DIRECT refused here (tmpfs, ...): through the page cache
+            self.direct = False
+            self._fd = self._open(path, False)
+        self._pos = self._written = 0
+        head = self._buffer(BLOCK)
+        head[:] = MAGIC.ljust(BLOCK, b"\0")
+        self._emit([head])
         self._live[self._segment] = set()
 
-    def _append(self, rec: dict, raw=b"") -> None:
-        meta = msgpack.packb(rec, use_bin_type=True)
-        head = _META.pack(len(meta)) + meta
-        raw = memoryview(raw).cast("B")
-        self._file.write(_HEADER.pack(len(head) + len(raw), zlib.crc32(raw, zlib.crc32(head))))
-        self._file.write(head)
-        self._file.write(raw)  # the blob as it arrived: no copy into a msgpack body
+    def _buffer(self, n: int) -> memoryview:
+        """`n` bytes of page-aligned scratch memory, valid until the next `_flush`."""
+        if self._used + n > len(self._scratch):
+            self._flush()
+            if n > len(self._scratch):
+                self._scratch = mmap.mmap(-1, blocks(n))
+        view = memoryview(self._scratch)[self._used:self._used + n]
+        self._used += blocks(n)
+        return view
 
-    def _sync(self, force: bool = False) -> None:
-        self._file.flush()  # to the OS on every record: a killed process loses nothing
+    def _emit(self, parts: list) -> None:
+        """Queue `parts` to be written after what is queued already (by `_flush`)."""
+        self._queued += parts
+        self._pos += sum(len(p) for p in parts)
+
+    def _flush(self) -> None:
+        """Write everything queued: few system calls, each as large as the kernel takes."""
+        while self._queued:
+            parts, self._queued = self._queued[:512], self._queued[512:]
+            total = sum(len(p) for p in parts)
+            try:
+                written = os.pwritev(self._fd, parts, self._written)
+            except OSError as exc:
+                if not self.direct or exc.errno != 22:  # EINVAL: alignment O_DIRECT cannot take here
+                    raise
+                self.direct = False
+                os.close(self._fd)
+                self._fd = self._open(self._path(self._segment), False)
+                written = os.pwritev(self._fd, parts, self._written)
+            if written != total:
+                raise OSError(f"replay log: short write ({written} of {total} bytes) to "
+                              f"{self._path(self._segment)}")
+            self._written += total
+        self._used = 0
+
+    def _append(self, rec: dict, raw=b"", padded=None) -> None:
+        """One record. `padded`, if given, is `raw` extended with zeros to whole blocks, in
+        page-aligned memory (an actor's arena extent): it is written as it is."""
+        meta = msgpack.packb(rec, use_bin_type=True)
+        raw = memoryview(raw).cast("B")
+        head_len, body_len = blocks(_HEAD.size + len(meta)), blocks(len(raw))
+        in_place = padded is not None and len(padded) == body_len and _address(padded) % BLOCK == 0
+        copy = self.direct and len(raw) > 0 and not in_place  # O_DIRECT needs aligned memory
+        buf = self._buffer(head_len + (body_len if copy else 0))
+        _HEAD.pack_into(buf, 0, len(meta), len(raw), zlib.crc32(raw, zlib.crc32(meta)))
+        buf[_HEAD.size:_HEAD.size + len(meta)] = meta
+        buf[_HEAD.size + len(meta):head_len] = bytes(head_len - _HEAD.size - len(meta))
+        if copy:
+            buf[head_len:head_len + len(raw)] = raw
+            buf[head_len + len(raw):] = bytes(body_len - len(raw))
+            parts = [buf]
+        elif in_place:
+            parts = [buf, padded]
+        else:
+            parts = [buf, raw, bytes(body_len - len(raw))]
+        self._emit([p for p in parts if len(p)])
+
+    def sync(self, force: bool = False) -> None:
+        """Write what was appended, and make it durable as the policy says (once written, it is
+        with the OS or the device: it survives a crash of this process)."""
+        self._flush()
         now = time.monotonic()
         if force or self.fsync == "always" or (
                 self.fsync == "interval" and now - self._last_sync >= self.fsync_interval_s):
-            os.fsync(self._file.fileno())
+            os.fdatasync(self._fd)
             self._last_sync = now
 
-    def stored(self, group_id: str, blob) -> None:
-        """Record a stored group; durable per the fsync policy when this returns."""
-        self._append({"k": "g", "id": group_id}, blob)
+    def stored(self, group_id: str, blob, sync: bool = True, padded=None) -> None:
+        """Record a stored group; durable per the fsync policy when this returns (with `sync`;
+        otherwise once `sync()` has been called)."""
+        self._append({"k": "g", "id": group_id}, blob, padded)
         self._live[self._segment].add(group_id)
         self._where[group_id] = self._segment
-        self._sync()
-        if self._file.tell() >= self.segment_bytes:
+        if sync:
+            self.sync()
+        if self._pos >= self.segment_bytes:
             self._roll()
 
-    def consumed(self, group_ids: list[str]) -> None:
+    def consumed(self, group_ids: list[str], sync: bool = True) -> None:
         """Record groups the learner has trained on; drop segments that hold nothing live."""
         self._append({"k": "c", "ids": list(group_ids)})
         for gid in group_ids:
             seg = self._where.pop(gid, None)
             if seg is not None:
                 self._live[seg].discard(gid)
-        self._sync()
+        if sync:
+            self.sync()
         self._collect()
 
     def _collect(self) -> None:
@@ -155,7 +260,95 @@ class ReplayLog:
         return sorted(int(p.stem) for p in self.dir.glob("*.seg"))
 
     def close(self) -> None:
-        if self._file is not None:
-            self._sync(force=True)
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            self.sync(force=True)
+            os.close(self._fd)
+            self._fd = None
+
+
+class LogWriter:
+    """A ReplayLog written on a thread of its own, so that checksums, writes and fsyncs overlap
+    with serving. Same `stored` / `consumed` calls as the log, which queue the record and
+    return; `after(fn)` queues a callback that becomes due once everything queued before it is
+    written and synced per the policy (one sync for all the records the thread found waiting:
+    a group commit). The owner runs due callbacks with `due()`, on its own thread, when woken by
+    a message on `wake_endpoint` (an inproc ZeroMQ socket in the owner's context).
+
+    The replay server acknowledges a push, and a learner's `ack`, only from such a callback, so
+    an acknowledgement still means "on the log", exactly as with the log written inline.
+    """
+
+    def __init__(self, log: ReplayLog, ctx: zmq.Context) -> None:
+        self.log = log
+        self.error: OSError | None = None
+        """Set when a write failed: nothing after it is acknowledged, and the server stops."""
+        self.wake_endpoint = f"inproc://replay-log-{id(self):x}"
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._due: list = []
+        self._lock = threading.Lock()
+        self._wake = ctx.socket(zmq.PAIR)
+        self._wake.bind(self.wake_endpoint)  # the owner connects its end before the first record
+        self._thread = threading.Thread(target=self._run, name="replay-log", daemon=True)
+        self._thread.start()
+
+    def recover(self):
+        return self.log.recover()
+
+    def stored(self, group_id: str, blob, padded=None) -> None:
+        self._queue.put(("g", group_id, blob, padded))
+
+    def consumed(self, group_ids: list[str]) -> None:
+        self._queue.put(("c", list(group_ids), None))
+
+    def after(self, fn) -> None:
+        self._queue.put(("f", fn, None))
+
+    def due(self) -> list:
+        """Callbacks whose records are on the log, in order."""
+        with self._lock:
+            out, self._due = self._due, []
+        return out
+
+    def _run(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            while True:  # everything waiting goes into one sync
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            callbacks, stop = [], False
+            for item in items:
+                try:
+                    if item is None:
+                        stop = True
+                    elif item[0] == "g":
+                        self.log.stored(item[1], item[2], sync=False, padded=item[3])
+                    elif item[0] == "c":
+                        self.log.consumed(item[1], sync=False)
+                    else:
+                        callbacks.append(item[1])
+                except OSError as exc:
+                    self.error = exc
+                    break
+            try:
+                self.log.sync()
+            except OSError as exc:  # a full or failing disk: the server stops with this error
+                self.error = exc
+                callbacks = []
+            if callbacks:
+                with self._lock:
+                    self._due += callbacks
+            if callbacks or self.error is not None:
+                try:
+                    self._wake.send(b"", flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # a wake-up is already waiting; it covers these callbacks too
+            if stop or self.error is not None:
+                return
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(30)
+        self._wake.close(0)
+        self.log.close()

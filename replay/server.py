@@ -20,6 +20,7 @@ Run standalone: `python -m replay.server --help`.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import threading
@@ -28,10 +29,14 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from replay.arena import ARENA_DIR, ArenaReader, host_id
 from replay.buffer import Entry, ReplayBuffer
+from replay.log import LogWriter
 from replay.wire import MAX_FRAME, WireError, decode_group, pack_parts, unpack_parts
 
 REQUESTS = ("hello", "credit", "push", "sample", "ack", "stats", "ping")
+MAX_CREDITS = 4096
+"""Most credits one request may ask for."""
 
 
 @dataclass
@@ -54,10 +59,15 @@ class ReplayConfig:
     """Append-only log directory: stored groups survive a replay restart (off by default)."""
     fsync: str = "interval"
     """When the log is fsynced: "always" (before every ack), "interval" (about once a second), "never"."""
+    arena_mb: int = 64
+    """Each actor's shared-memory arena (/dev/shm), reserved up front: on replay's host, groups
+    travel through it by reference instead of on the socket. 0 sends every group on the socket."""
     sign: bool = True
     """Authenticate every frame with HMAC-SHA256 under a per-run key (the launcher makes and hands it out)."""
 
     def __post_init__(self) -> None:
+        if self.arena_mb < 0:
+            raise ValueError(f"--replay.arena-mb must be 0 (off) or more, got {self.arena_mb}")
         if self.capacity < 1 or self.capacity_mb < 1:
             raise ValueError("--replay.capacity and --replay.capacity-mb must be at least 1")
         if not 0 <= self.port < 65536:
@@ -90,7 +100,8 @@ class ReplayServer:
         server.stop()
     """
 
-    def __init__(self, buffer: ReplayBuffer, bind: str, key: bytes | None = None) -> None:
+    def __init__(self, buffer: ReplayBuffer, bind: str, key: bytes | None = None,
+                 arena_dir: str = ARENA_DIR) -> None:
         self.buffer, self.bind, self.key = buffer, bind, key
         self.epoch = secrets.token_hex(8)
         self.endpoint = ""
@@ -98,11 +109,15 @@ class ReplayServer:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._credit_waiters: list[tuple[bytes, int, str, float]] = []  # (peer, request id, actor, since)
-        self._sample_waiters: list[tuple[bytes, int, int, int]] = []    # (peer, request id, step, rank)
+        self._credit_waiters: list[list] = []  # [peer, request id, actor, since, credits still wanted]
+        self._sample_waiters: list[tuple[bytes, int, int, int, bool]] = []  # (peer, id, step, rank, same host)
+        self.arenas = ArenaReader(arena_dir)  # actors' shared-memory arenas on this host
+        self.host = host_id()
         self.credit_wait_s = 0.0
         self.lost_replies = 0
         self.lock = threading.Lock()  # guards the buffer against snapshot() from other threads
+        self._writer: LogWriter | None = None  # writes the log on its own thread (replay/log.py)
+        self._writing: dict[str, list[tuple[bytes, int]]] = {}  # group on its way to the log -> resends
 
     def start(self) -> str:
         self._thread = threading.Thread(target=self._serve, name="replay-server", daemon=True)
@@ -140,16 +155,38 @@ class ReplayServer:
             sock.close()
             ctx.term()
             return
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        log_done = None
+        if self.buffer.log is not None:
+            self._writer = LogWriter(self.buffer.log, ctx)
+            self.buffer.log = self._writer
+            log_done = ctx.socket(zmq.PAIR)
+            log_done.connect(self._writer.wake_endpoint)
+            poller.register(log_done, zmq.POLLIN)
         self._ready.set()
         try:
             while not self._stop.is_set():
-                if not sock.poll(100):
-                    continue
-                frames = sock.recv_multipart(copy=False)  # group blobs stay in ZeroMQ's buffers
-                with self.lock:
-                    self._handle(sock, frames)
-                    self._wake(sock)
+                events = dict(poller.poll(100))
+                if log_done in events:
+                    while log_done.poll(0):
+                        log_done.recv()
+                    if self._writer.error is not None:
+                        raise RuntimeError(f"replay log: {self._writer.error}") from self._writer.error
+                    with self.lock:
+                        for callback in self._writer.due():  # records on the log: acknowledge them
+                            callback()
+                        self._wake(sock)
+                if sock in events:
+                    frames = sock.recv_multipart(copy=False)  # group blobs stay in ZeroMQ's buffers
+                    with self.lock:
+                        self._handle(sock, frames)
+                        self._wake(sock)
         finally:
+            if self._writer is not None:
+                self._writer.close()  # writes what is queued
+                self.buffer.log = self._writer.log
+                log_done.close(0)
             sock.close(0)
             ctx.term()
 
@@ -182,54 +219,113 @@ class ReplayServer:
         kind = msg["type"]
         if kind == "hello":
             self.buffer.hello(_str(msg, "actor"))
-            self._reply(sock, peer, rid, "ok")
+            arena, reason = None, None
+            if "arena" in msg:  # the actor offers its shared-memory arena: can we open it?
+                try:
+                    self.arenas.open(msg["arena"], _str(msg, "token"))
+                    arena = True
+                except WireError as exc:
+                    arena, reason = False, str(exc)
+            self._reply(sock, peer, rid, "ok", arena=arena, reason=reason)
         elif kind == "ping":
             self._reply(sock, peer, rid, "ok")
         elif kind == "credit":
-            self._credit_waiters.append((peer, rid, _str(msg, "actor"), time.monotonic()))
+            n = msg.get("n", 1)
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_CREDITS:
+                raise WireError(f"field 'n' must be an integer in [1, {MAX_CREDITS}]")
+            self._credit_waiters.append([peer, rid, _str(msg, "actor"), time.monotonic(), n])
         elif kind == "push":
-            if len(blobs) != 1:
-                raise WireError("push carries exactly one group")
-            group = decode_group(memoryview(blobs[0]))
-            status = self.buffer.push(Entry.of(group, blobs[0]), len(group.trajectories))
-            self._reply(sock, peer, rid, "ack", group_id=group.group_id, status=status)
+            entry = self._entry(msg, blobs)
+            status = self.buffer.admit(entry)
+            gid = entry.group_id
+            if status is None and self._writer is not None:  # acknowledged once it is on the log
+                self._writing[gid] = []
+                padded = self.arenas.view(entry.ref, padded=True) if entry.ref else None  # no copy
+                self._writer.stored(gid, entry.blob, padded)
+                self._writer.after(functools.partial(self._logged, sock, peer, rid, entry))
+            elif status is None:
+                self.buffer.commit(entry, len(entry.rewards))
+                self._reply(sock, peer, rid, "ack", group_id=gid, status="stored")
+            elif status == "duplicate" and gid in self._writing:
+                self._writing[gid].append((peer, rid))  # a resend: acknowledged with the original
+            else:
+                self._reply(sock, peer, rid, "ack", group_id=gid, status=status)
         elif kind == "sample":
             step, rank, version = (_int(msg, k) for k in ("step", "rank", "version"))
             if rank >= self.buffer.shards:
                 raise ValueError(f"rank {rank} out of range for {self.buffer.shards} learner ranks")
             self.buffer.set_version(version)
-            self._sample_waiters.append((peer, rid, step, rank))
+            same_host = self.host is not None and msg.get("host") == self.host
+            self._sample_waiters.append((peer, rid, step, rank, same_host))
         elif kind == "ack":
             ids = self.buffer.ack(_int(msg, "step"), _int(msg, "rank"))
-            self._reply(sock, peer, rid, "ok", consumed=len(ids))
+            if self._writer is not None:  # answered once the consumed marker is on the log
+                self._writer.after(functools.partial(self._reply, sock, peer, rid, "ok", consumed=len(ids)))
+            else:
+                self._reply(sock, peer, rid, "ok", consumed=len(ids))
         elif kind == "stats":
             self._reply(sock, peer, rid, "stats", stats={**self.buffer.snapshot(),
                                                           "credit_wait_s": self.credit_wait_s})
 
+    def _logged(self, sock, peer: bytes, rid: int, entry: Entry) -> None:
+        """A pushed group is on the log: store it, acknowledge it and any resends of it."""
+        self.buffer.commit(entry, len(entry.rewards))
+        self._reply(sock, peer, rid, "ack", group_id=entry.group_id, status="stored")
+        for resend_peer, resend_rid in self._writing.pop(entry.group_id, []):
+            self._reply(sock, resend_peer, resend_rid, "ack", group_id=entry.group_id, status="duplicate")
+
+    def _entry(self, msg: dict, blobs: list) -> Entry:
+        """The pushed group, validated: its bytes in the message, or a reference into the actor's arena."""
+        if "shm" not in msg:
+            if len(blobs) != 1:
+                raise WireError("push carries exactly one group")
+            return Entry.of(decode_group(memoryview(blobs[0])), blobs[0])
+        if blobs:
+            raise WireError("push carries a group or an arena reference, not both")
+        ref = msg["shm"]
+        view, fresh = self.arenas.acquire(ref)
+        release = functools.partial(self.arenas.release, ref[0], ref[1]) if fresh else None
+        try:
+            group = decode_group(view)
+        except WireError:
+            if release is not None:
+                release()  # refused: the actor may reuse the extent
+            raise
+        return Entry.of(group, view, list(ref), release)
+
     def _wake(self, sock) -> None:
         """Answer parked requests that the new state allows."""
         still = []
-        for peer, rid, step, rank in self._sample_waiters:
+        for waiter in self._sample_waiters:
+            peer, rid, step, rank, same_host = waiter
             try:
                 shard = self.buffer.take(step, rank)
             except ValueError as exc:
                 self._reply(sock, peer, rid, "error", reason=str(exc))
                 continue
             if shard is None:
-                still.append((peer, rid, step, rank))
-            else:  # if this reply is lost, the shard stays assigned and is served again on request
-                self._reply(sock, peer, rid, "batch", [e.blob for e in shard], step=step,
-                            version=self.buffer.version)
+                still.append(waiter)
+                continue
+            # if this reply is lost, the shard stays assigned and is served again on request
+            refs = [e.ref if same_host else None for e in shard]  # same host: by reference
+            self._reply(sock, peer, rid, "batch", [e.blob for e, r in zip(shard, refs) if r is None],
+                        step=step, version=self.buffer.version, refs=refs)
         self._sample_waiters = still
-        while self._credit_waiters:
-            peer, rid, actor, since = self._credit_waiters[0]
-            credit = self.buffer.grant(actor)
-            if credit is None:
+        while self._credit_waiters:  # oldest request first; one reply grants what room allows
+            waiter = self._credit_waiters[0]
+            peer, rid, actor, since, wanted = waiter
+            versions = []
+            while len(versions) < wanted and (credit := self.buffer.grant(actor)) is not None:
+                versions.append(credit.version)
+            if not versions:
                 break
-            self._credit_waiters.pop(0)
-            self.credit_wait_s += time.monotonic() - since
-            if not self._reply(sock, peer, rid, "credit", version=credit.version):
-                self.buffer.in_flight[actor] -= 1  # never delivered: give it back
+            self.credit_wait_s += (time.monotonic() - since) * len(versions)
+            waiter[4] -= len(versions)
+            delivered = self._reply(sock, peer, rid, "credit", versions=versions)
+            if not delivered:  # the peer is gone: give them back, forget its request
+                self.buffer.in_flight[actor] -= len(versions)
+            if not delivered or not waiter[4]:
+                self._credit_waiters.pop(0)
 
 
 def _str(msg: dict, key: str) -> str:

@@ -188,14 +188,21 @@ def _payload_start(header_len: int) -> int:
     return (_PREFIX.size + header_len + 7) // 8 * 8
 
 
-def group_blob(header: dict[str, Any], n_tokens: int, fill=None) -> bytearray:
+def group_blob(header: dict[str, Any], n_tokens: int, fill=None, alloc=None) -> bytearray | memoryview:
     """A group blob: the prefix, the msgpack `header`, and room for `n_tokens` tokens' arrays,
-    filled by `fill(payload_view)` (or zeros). `encode_group` is the usual way to make one."""
+    filled by `fill(payload_view)` (or zeros). `encode_group` is the usual way to make one.
+    `alloc(size)` may supply the memory (a writable buffer, or None for a new bytearray)."""
     head = msgpack.packb(header, use_bin_type=True)
     start = _payload_start(len(head))
-    out = bytearray(start + _BYTES_PER_TOKEN * n_tokens)
+    size = start + _BYTES_PER_TOKEN * n_tokens
+    out = alloc(size) if alloc is not None else None
+    if out is None:
+        out = bytearray(size)
+    elif fill is None:
+        out[start:] = bytes(size - start)
     _PREFIX.pack_into(out, 0, GROUP_MAGIC, len(head))
     out[_PREFIX.size:_PREFIX.size + len(head)] = head
+    out[_PREFIX.size + len(head):start] = bytes(start - _PREFIX.size - len(head))
     if fill is not None:
         fill(memoryview(out)[start:])
     return out
@@ -217,8 +224,9 @@ def group_parts(blob: Any) -> tuple[Any, memoryview]:
     return header, view[_payload_start(head_len):]
 
 
-def encode_group(group: Group) -> bytearray:
-    """A group as one blob: what `push` carries and replay stores and serves unchanged."""
+def encode_group(group: Group, alloc=None) -> bytearray | memoryview:
+    """A group as one blob: what `push` carries and replay stores and serves unchanged.
+    `alloc(size)` may supply the memory (an actor's shared-memory arena, replay/arena.py)."""
     trajs = group.trajectories
     lens = [int(np.shape(t.tokens)[0]) for t in trajs]
     header = {"v": SCHEMA, "group_id": group.group_id, "task": group.task, "actor": group.actor,
@@ -237,7 +245,7 @@ def encode_group(group: Group) -> bytearray:
                 pos += length
             offset += n * dst.itemsize
 
-    return group_blob(header, n, fill)
+    return group_blob(header, n, fill, alloc)
 
 
 def _list(header: dict, key: str, kind, n: int | None) -> list:
@@ -249,9 +257,13 @@ def _list(header: dict, key: str, kind, n: int | None) -> list:
     return val
 
 
-def decode_group(blob: Any) -> Group:
+def decode_group(blob: Any, checked: bool = False) -> Group:
     """Validate and decode a blob made by `encode_group` (bytes, or a buffer such as a ZeroMQ
-    frame). The trajectories' arrays are read-only views of the blob."""
+    frame). The trajectories' arrays are read-only views of the blob.
+
+    `checked=True` is for a blob replay has already validated in full (a learner reading an
+    actor's arena in place): the header and every length are still checked, the passes over
+    the arrays' values are skipped, and the group's version is left to be computed on use."""
     if not isinstance(blob, (bytes, bytearray, memoryview)) and not hasattr(blob, "buffer"):
         raise WireError("group: expected a group blob")
     header, payload = group_parts(getattr(blob, "buffer", blob))
@@ -283,20 +295,24 @@ def decode_group(blob: Any) -> Group:
         arrays[name] = np.frombuffer(payload, dtype=dtype, count=n, offset=offset)
         offset += n * arrays[name].itemsize
     tokens, versions, logprobs, mask = (arrays[k] for k in ("tokens", "versions", "logprobs", "mask"))
-    # min/max are NaN when any element is: one pass each, and NaN fails every comparison
-    if tokens.min() < 0 or mask.max() > 1 or versions.min() < 0 or versions.max() >= _NOT_MODEL:
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist()
+    trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f)
+             for s, k, r, t, f in zip(starts, lens, rewards, turns, finish)]
+    group = Group(gid, _get(header, "task", str, what)[:256], trajs,
+                  actor=str(header.get("actor", ""))[:128], meta=dict(meta))
+    if checked:
+        return group
+    # One pass per array. Read as unsigned, a negative int32 is at least 2**31, so one max checks
+    # both bounds. A float min/max is NaN when any element is, and NaN fails every comparison.
+    if (tokens.view("<u4").max() >= 1 << 31 or mask.max() > 1
+            or versions.view("<u4").max() >= _NOT_MODEL):
         raise WireError(f"{what}: negative token ids or versions, or a mask that is not 0/1")
     if not (np.isfinite(logprobs.min()) and logprobs.max() <= 1e-3):
         raise WireError(f"{what}: log-probs are not finite log-probabilities")
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f)
-             for s, k, r, t, f in zip(starts.tolist(), lens, rewards, turns, finish)]
     # The group's version (the oldest model token's) in two vectorised passes: tokens outside
     # the mask get a bit above every valid version, so they never win the minimum.
     per_traj = np.minimum.reduceat(versions | ((mask ^ 1).astype(np.int32) << 30), starts)
     if (per_traj >= _NOT_MODEL).any():  # a trajectory without model tokens: its oldest token
         per_traj = np.where(per_traj >= _NOT_MODEL, np.minimum.reduceat(versions, starts), per_traj)
-    group = Group(gid, _get(header, "task", str, what)[:256], trajs,
-                  actor=str(header.get("actor", ""))[:128], meta=dict(meta))
     group._version = int(per_traj.min())
     return group

@@ -1,0 +1,212 @@
+"""The same-host path: groups through actors' shared-memory arenas, and every way back to bytes."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zmq
+
+from replay.arena import FREE, HELD, PAGE, Arena, ArenaReader, head_size, pages
+from replay.buffer import ReplayBuffer
+from replay.client import ZmqReplayClient
+from replay.server import ReplayServer
+from replay.wire import WireError, encode_group, pack_parts, unpack_parts
+from tests.replay.helpers import make_group
+
+KEY = bytes(range(32))
+
+
+def serve(tmp_path, arena_dir=None, **kwargs) -> ReplayServer:
+    buffer = ReplayBuffer(groups_per_step=kwargs.pop("batch", 2), max_staleness=1000, **kwargs)
+    srv = ReplayServer(buffer, "tcp://127.0.0.1:*", key=KEY, arena_dir=str(arena_dir or tmp_path))
+    srv.start()
+    return srv
+
+
+@pytest.fixture
+def arenas(tmp_path):
+    """Arena files go to a test directory standing in for /dev/shm (same filesystem semantics)."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    return d
+
+
+def same(a, b) -> bool:
+    return a.group_id == b.group_id and all(
+        np.array_equal(x.tokens, y.tokens) and np.array_equal(x.logprobs, y.logprobs)
+        and np.array_equal(x.mask, y.mask) and np.array_equal(x.versions, y.versions) and x.reward == y.reward
+        for x, y in zip(a.trajectories, b.trajectories))
+
+
+def test_groups_go_through_the_arena_arrive_intact_and_extents_are_reused(arenas):
+    srv = serve(arenas, arenas)
+    try:
+        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        actor.hello()
+        assert actor._shared
+        size = len(encode_group(make_group(length=2000)))  # ~104 KB: the 1 MiB arena holds ~10
+        groups = [make_group(seed=i, length=2000) for i in range(60)]
+        for step in range(30):  # six arenas' worth, consumed as it goes
+            for g in groups[2 * step:2 * step + 2]:
+                actor.send(g)
+            actor.flush(10)
+            got = learner.sample(step, 0, 0, timeout=10)
+            assert all(same(a, b) for a, b in zip(sorted(got, key=lambda g: g.group_id),
+                                                    sorted(groups[2 * step:2 * step + 2], key=lambda g: g.group_id)))
+            learner.ack(step, 0)
+        stats = learner.stats()
+        assert stats["received_groups"] == stats["received_shared"] == 60 > (1 << 20) // size
+        assert actor._arena.held <= 2  # everything consumed was given back
+        actor.close()
+        assert not list(arenas.glob("tandem-arena-*"))  # closing removes the file
+    finally:
+        srv.stop()
+
+
+def test_a_full_arena_sends_bytes_and_nothing_is_lost(arenas):
+    srv = serve(arenas, arenas, batch=8)
+    try:
+        groups = [make_group(seed=i, length=2000) for i in range(8)]
+        room = pages(len(encode_group(groups[0]))) * 2
+        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=head_size(room) + room,
+                                arena_dir=str(arenas))  # room for two groups
+        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        actor.hello()
+        for g in groups:
+            actor.send(g)
+        actor.flush(10)
+        got = learner.sample(0, 0, 0, timeout=10)
+        assert sorted(g.group_id for g in got) == sorted(g.group_id for g in groups)
+        by_id = {g.group_id: g for g in groups}
+        assert all(same(g, by_id[g.group_id]) for g in got)
+        assert learner.stats()["received_shared"] == 2
+    finally:
+        srv.stop()
+
+
+def test_a_replay_that_cannot_open_the_arena_gets_bytes(arenas, tmp_path):
+    elsewhere = tmp_path / "other-shm"  # as for a replay in another container on the same machine
+    elsewhere.mkdir()
+    srv = serve(arenas, elsewhere)
+    try:
+        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_dir=str(arenas), arena_bytes=1 << 20)
+        actor.hello()
+        assert not actor._shared
+        groups = [make_group(seed=i) for i in range(2)]
+        assert [actor.push(g) for g in groups] == ["stored", "stored"]
+        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=0)
+        assert sorted(g.group_id for g in learner.sample(0, 0, 0, timeout=10)) == sorted(g.group_id for g in groups)
+        assert learner.stats()["received_shared"] == 0
+    finally:
+        srv.stop()
+
+
+def test_a_learner_that_cannot_open_the_arena_gets_the_same_shard_as_bytes(arenas, tmp_path):
+    srv = serve(arenas, arenas)
+    try:
+        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        actor.hello()
+        groups = [make_group(seed=i) for i in range(2)]
+        for g in groups:
+            actor.send(g)
+        actor.flush(10)
+        elsewhere = tmp_path / "learner-shm"
+        elsewhere.mkdir()
+        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(elsewhere))
+        got = learner.sample(0, 0, 0, timeout=10)
+        by_id = {g.group_id: g for g in groups}
+        assert sorted(by_id) == sorted(g.group_id for g in got) and all(same(g, by_id[g.group_id]) for g in got)
+        assert learner.stats()["received_shared"] == 2
+    finally:
+        srv.stop()
+
+
+def test_a_resent_reference_is_stored_once_and_freed_once_consumed(arenas):
+    srv = serve(arenas, arenas)
+    try:
+        arena = Arena.create(1 << 20, str(arenas))
+        g = make_group(seed=5, actor="a")
+        where = []
+        blob = encode_group(g, lambda n: (where.append(arena.alloc(n)), where[0][1])[1])
+        ref = [arena.name, where[0][0], len(blob)]
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(srv.endpoint)
+
+        def ask(msg_type, **fields):
+            sock.send_multipart(pack_parts(msg_type, key=KEY, id=1, **fields))
+            assert sock.poll(5000)
+            return unpack_parts(sock.recv_multipart(), key=KEY)[0]
+
+        assert ask("hello", actor="a", arena=arena.name, token=arena.token)["arena"] is True
+        assert ask("push", shm=ref)["status"] == "stored"
+        assert ask("push", shm=ref)["status"] == "duplicate"  # the resend must not free the stored copy
+        assert arena.state(ref[1]) == HELD
+        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        other = make_group(seed=6, actor="a")  # a batch is two groups: the second on the socket
+        sock.send_multipart(pack_parts("push", [encode_group(other)], key=KEY, id=2))
+        assert sock.poll(5000) and unpack_parts(sock.recv_multipart(), key=KEY)[0]["status"] == "stored"
+        got = learner.sample(0, 0, 0, timeout=10)
+        assert sorted(x.group_id for x in got) == sorted([g.group_id, other.group_id])
+        assert arena.state(ref[1]) == HELD  # served, not yet trained on
+        learner.ack(0, 0)
+        assert arena.state(ref[1]) == FREE
+        sock.close(0)
+        arena.close()
+    finally:
+        srv.stop()
+
+
+def test_hostile_references_get_errors_and_the_server_goes_on(arenas, tmp_path):
+    srv = serve(arenas, arenas)
+    try:
+        arena = Arena.create(1 << 20, str(arenas))
+        off, view = arena.alloc(1000)
+        view[:] = os.urandom(1000)  # marked held, but not a group
+        free_off, _ = arena.alloc(1000)
+        arena.free(free_off)
+        secret = tmp_path / "secret"
+        secret.write_bytes(b"TARENA02" + b"x" * (4 * PAGE - 8))
+        (arenas / "tandem-arena-1-0123456789abcdef").symlink_to(secret)
+        (arenas / "tandem-arena-2-0123456789abcdef").write_bytes(b"not an arena".ljust(4 * PAGE))
+        bad = [["../../etc/passwd", PAGE, 100], ["tandem-arena-1-0123456789abcdef", PAGE, 100],
+               ["tandem-arena-2-0123456789abcdef", PAGE, 100], [arena.name, off + 64, 100], [arena.name, 0, 100],
+               [arena.name, off, 0], [arena.name, off, 1 << 30], [arena.name, (1 << 20) - PAGE, 2 * PAGE],
+               [arena.name, free_off, 1000], [arena.name, off, 1000], [arena.name, off], "x", [1, 2, 3],
+               [arena.name, True, 5]]
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(srv.endpoint)
+        for i, ref in enumerate(bad):
+            sock.send_multipart(pack_parts("push", key=KEY, id=i, shm=ref))
+            assert sock.poll(5000)
+            reply = unpack_parts(sock.recv_multipart(), key=KEY)[0]
+            assert reply["type"] == "error", ref
+        assert srv.snapshot()["malformed_frames"] == len(bad)
+        assert arena.state(off) == FREE  # refused content: the extent is given back
+        sock.close(0)
+        client = ZmqReplayClient(srv.endpoint, actor="a", key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        client.hello()
+        groups = [make_group(seed=i, actor="a") for i in range(2)]
+        assert [client.push(g) for g in groups] == ["stored", "stored"]
+        assert srv.snapshot()["received_shared"] == 2
+    finally:
+        srv.stop()
+
+
+def test_reader_refuses_names_outside_the_pattern(arenas):
+    reader = ArenaReader(str(arenas))
+    for name in ["", "x", "../tandem-arena-1-0123456789abcdef", "tandem-arena-1-0123456789abcdeg"]:
+        with pytest.raises(WireError, match="arena"):
+            reader.open(name)
+
+
+def test_arenas_of_dead_processes_are_removed(arenas):
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = arenas / f"tandem-arena-{proc.stdout.strip()}-0123456789abcdef"
+    dead.write_bytes(b"left behind")
+    live = Arena.create(1 << 20, str(arenas))
+    assert not dead.exists() and live.path.exists()
+    live.close()
+    assert not live.path.exists()
