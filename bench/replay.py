@@ -40,6 +40,8 @@ class Args:
     """fsync policy of the durable run."""
     arena_mb: int = 64
     """Each actor's shared-memory arena (the same-host path; the socket runs use none)."""
+    repeats: int = 3
+    """Runs of every path, interleaved; the table shows medians."""
 
 
 def make_group(args: Args, rng):
@@ -56,10 +58,10 @@ def make_group(args: Args, rng):
 def _actor(args: Args, endpoint: str, name: str, stop, arena_mb: int) -> None:
     from replay.client import ZmqReplayClient
 
-    client = ZmqReplayClient(endpoint, actor=name, arena_bytes=arena_mb << 20)
+    client = ZmqReplayClient(endpoint, actor=name, arena_bytes=arena_mb << 20, window=32)
     client.hello()
     group = make_group(args, np.random.default_rng(0))
-    window = 4
+    window = 16  # groups started and not yet pushed, per actor (credits asked for ahead)
     for _ in range(window):
         client.request_credit()
     while not stop.is_set():
@@ -107,7 +109,7 @@ def run_replay(args: Args, durable: bool, shared: bool) -> tuple[float, float]:
             t0 = time.perf_counter()
         groups = learner.sample(step, 0, step, timeout=120)
         assert len(groups) == args.batch
-        learner.ack(step, 0)
+        learner.ack(step, 0, wait=False)  # as the trainer does
     elapsed = time.perf_counter() - t0
     stats = learner.stats()
     stop_actors.set()  # actors flush their last sends while the server still answers
@@ -167,16 +169,24 @@ def main(args: Args) -> dict:
     from replay.wire import encode_group
 
     size = len(encode_group(make_group(args, np.random.default_rng(0))))
-    raw = run_raw(args)
-    runs = [("replay, same host (shared memory)", False, True), ("replay + durable log, same host", True, True),
-            ("replay, socket only", False, False), ("replay + durable log, socket only", True, False)]
-    rates = [(name, *run_replay(args, durable, shared)) for name, durable, shared in runs]
+    paths = [("replay, same host (shared memory)", False, True), ("replay + durable log, same host", True, True),
+             ("replay, socket only", False, False), ("replay + durable log, socket only", True, False)]
+    raws, rates = [], {name: [] for name, _, _ in paths}
+    for _ in range(args.repeats):  # interleaved, so that a noisy minute hits every path alike
+        raws.append(run_raw(args))
+        for name, durable, shared in paths:
+            rates[name].append(run_replay(args, durable, shared))
+    raw = float(np.median(raws))
+    median = {name: (float(np.median([r for r, _ in runs])), min(f for _, f in runs)) for name, runs in rates.items()}
     print(f"group: {args.group_size} trajectories x {args.tokens} tokens (~{size / 1024:.0f} KiB), "
-          f"{args.actors} pushing processes, {args.groups} groups per run, fsync={args.fsync} with the log")
-    print(f"{'path':<36}{'groups/s':>10}{'MB/s':>9}{'ratio':>8}{'via shm':>9}")
-    for name, rate, shm in [("bare ZeroMQ PUSH/PULL", raw, 0.0), *rates]:
-        print(f"{name:<36}{rate:>10.0f}{rate * size / 1e6:>9.0f}{rate / raw:>8.2f}{shm:>9.0%}")
-    (ours, _), (durable, _), (sock, _), (sock_durable, _) = [r[1:] for r in rates]
+          f"{args.actors} pushing processes, {args.groups} groups per run, fsync={args.fsync} with the log; "
+          f"median of {args.repeats} interleaved runs")
+    print(f"{'path':<36}{'groups/s':>10}{'MB/s':>9}{'ratio':>8}{'via shm':>9}   runs (groups/s)")
+    for name, (rate, shm) in [("bare ZeroMQ PUSH/PULL", (raw, 0.0)), *median.items()]:
+        runs = raws if name.startswith("bare") else [r for r, _ in rates[name]]
+        print(f"{name:<36}{rate:>10.0f}{rate * size / 1e6:>9.0f}{rate / raw:>8.2f}{shm:>9.0%}   "
+              + " ".join(f"{r:.0f}" for r in runs))
+    ours, durable, sock, sock_durable = (median[name][0] for name, _, _ in paths)
     result = {"groups_per_s": round(ours, 1), "raw_groups_per_s": round(raw, 1), "ratio": round(ours / raw, 3),
               "groups_per_s_durable": round(durable, 1), "ratio_durable": round(durable / raw, 3),
               "ratio_socket": round(sock / raw, 3), "ratio_durable_socket": round(sock_durable / raw, 3)}

@@ -80,7 +80,7 @@ class _Feed:
         assert out, "the actor pushed nothing for this step"
         return out
 
-    def ack(self, step: int, rank: int) -> None:
+    def ack(self, step: int, rank: int, wait: bool = True) -> None:
         pass
 
 

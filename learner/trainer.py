@@ -304,7 +304,7 @@ class Learner:
         t2 = time.perf_counter()
         self.version += 1
         adapter_bytes = self._publish()
-        self.replay.ack(step, self.rank)  # trained on: replay may forget these groups
+        self.replay.ack(step, self.rank, wait=False)  # trained on: replay may forget these groups
         t3 = time.perf_counter()
         parts = {k: v / (total_share or 1.0) for k, v in sums.items()}
         local = {

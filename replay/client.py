@@ -82,8 +82,11 @@ class LearnerReplay(Protocol):
         (the same shard again if asked again before `ack`). The trajectories' arrays are
         read-only views that stay valid until `ack`: copy what must outlive it."""
 
-    def ack(self, step: int, rank: int) -> None:
-        """The shard of `step` has been trained on."""
+    def ack(self, step: int, rank: int, wait: bool = True) -> None:
+        """The shard of `step` has been trained on. With `wait`, return once replay has recorded
+        it (on its log, if it keeps one); without, return at once and let the reply come later.
+        Either way a shard whose ack is not yet recorded when replay dies is served again, just
+        as it would be had replay died while the learner trained on it."""
 
     def stats(self) -> dict:
         """Counters of the service (queue depth, groups in/out/dropped, staleness, credit waits)."""
@@ -110,6 +113,7 @@ class ZmqReplayClient:
         self._shared = False  # pushes go through the arena (replay opened it)
         self._reader = ArenaReader(arena_dir) if self.host and not actor else None
         self._unreadable = 0
+        self._acks: set[int] = set()  # request ids of acks sent without waiting
         self.statuses: dict[str, int] = {}
         """Acknowledged sends by status ("stored", "duplicate", "filtered", or "refused": the
         server found the group malformed)."""
@@ -155,6 +159,10 @@ class ZmqReplayClient:
                 raise WireError("credit: versions must be a list of integers")
             self._granted += versions
             self._asked = max(self._asked - len(versions), 0)
+        elif msg.get("id") in self._acks:
+            self._acks.discard(msg["id"])
+            if msg["type"] == "error":
+                log.warning("replay refused an ack: %s", msg.get("reason"))
         elif msg.get("arena") is False and self._shared:
             log.info("replay cannot open this actor's arena (%s): groups go on the socket", msg.get("reason"))
             self._shared = False
@@ -330,8 +338,11 @@ class ZmqReplayClient:
         self._unreadable = 0
         return groups
 
-    def ack(self, step: int, rank: int) -> None:
-        self._call("ack", self.timeout, step=step, rank=rank)
+    def ack(self, step: int, rank: int, wait: bool = True) -> None:
+        if wait:
+            self._call("ack", self.timeout, step=step, rank=rank)
+        else:  # replies are matched, and errors reported, as they arrive
+            self._acks.add(self._send("ack", step=step, rank=rank))
 
     def stats(self) -> dict:
         return self._call("stats", self.timeout)["stats"]
@@ -392,7 +403,7 @@ class LocalReplay:
                 self._cond.wait(left)
             return [decode_group(e.blob) for e in shard]
 
-    def ack(self, step: int, rank: int) -> None:
+    def ack(self, step: int, rank: int, wait: bool = True) -> None:
         with self._cond:
             self.buffer.ack(step, rank)
             self._cond.notify_all()

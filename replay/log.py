@@ -32,6 +32,7 @@ as the OS or the device has the bytes), "never" (leave it to the OS).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import queue
@@ -58,6 +59,22 @@ def blocks(n: int) -> int:
     return (n + BLOCK - 1) // BLOCK * BLOCK
 
 
+def _pwrite(fd: int, path: Path, parts: list, offset: int, scratch, spare: list) -> None:
+    while parts:
+        chunk, parts = parts[:512], parts[512:]
+        total = sum(len(p) for p in chunk)
+        written = os.pwritev(fd, chunk, offset)
+        if written != total:
+            raise OSError(f"replay log: short write ({written} of {total} bytes) to {path}")
+        offset += total
+    spare.append(scratch)  # list.append is atomic: the writing thread may take it back
+
+
+def _fsync_close(fd: int) -> None:
+    os.fsync(fd)
+    os.close(fd)
+
+
 def _address(buf) -> int:
     return np.frombuffer(buf, np.uint8).ctypes.data if len(buf) else 0
 
@@ -80,7 +97,10 @@ class ReplayLog:
         self._segment = 0
         self._last_sync = time.monotonic()
         self._scratch = mmap.mmap(-1, 8 << 20)  # page-aligned: heads, and blobs that are not
+        self._spare: list[mmap.mmap] = []  # scratch buffers back from the I/O thread
         self._used = 0
+        self.submit = None
+        """Where writes, syncs and closes go (a LogWriter's I/O queue); None: done inline."""
 
     # -- recovery -------------------------------------------------------------
     def recover(self) -> tuple[list[bytes], list[str]]:
@@ -141,31 +161,44 @@ class ReplayLog:
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         return os.open(path, flags, 0o600)
 
+    def _io(self, action) -> None:
+        """Run a write, sync or close: now, or (with a LogWriter) in order on its I/O thread."""
+        if self.submit is None:
+            action()
+        else:
+            self.submit(action)
+
     def _roll(self) -> None:
         if self._fd is not None:
             self._flush()
-            os.fsync(self._fd)
-            os.close(self._fd)
+            self._io(functools.partial(_fsync_close, self._fd))
         self._segment += 1
         path = self._path(self._segment)
-        try:
-            self._fd = self._open(path, self.direct)
-        except OSError:  # O_DIRECT refused here (tmpfs, ...): through the page cache
-            self.direct = False
+        head = MAGIC.ljust(BLOCK, b"\0")
+        self._fd = None
+        if self.direct:
+            try:  # O_DIRECT must take an aligned block here, or the segment goes through the page cache
+                self._fd = self._open(path, True)
+                os.pwrite(self._fd, self._buffer(BLOCK, head), 0)
+            except OSError:
+                if self._fd is not None:
+                    os.close(self._fd)
+                self._fd, self.direct = None, False
+        if self._fd is None:
             self._fd = self._open(path, False)
-        self._pos = self._written = 0
-        head = self._buffer(BLOCK)
-        head[:] = MAGIC.ljust(BLOCK, b"\0")
-        self._emit([head])
+            os.pwrite(self._fd, head, 0)
+        self._pos = self._written = BLOCK
+        self._used = 0
         self._live[self._segment] = set()
 
-    def _buffer(self, n: int) -> memoryview:
-        """`n` bytes of page-aligned scratch memory, valid until the next `_flush`."""
+    def _buffer(self, n: int, fill: bytes = b"") -> memoryview:
+        """`n` bytes of page-aligned scratch memory (starting with `fill`), valid until written."""
         if self._used + n > len(self._scratch):
             self._flush()
             if n > len(self._scratch):
                 self._scratch = mmap.mmap(-1, blocks(n))
         view = memoryview(self._scratch)[self._used:self._used + n]
+        view[:len(fill)] = fill
         self._used += blocks(n)
         return view
 
@@ -175,23 +208,15 @@ class ReplayLog:
         self._pos += sum(len(p) for p in parts)
 
     def _flush(self) -> None:
-        """Write everything queued: few system calls, each as large as the kernel takes."""
-        while self._queued:
-            parts, self._queued = self._queued[:512], self._queued[512:]
-            total = sum(len(p) for p in parts)
-            try:
-                written = os.pwritev(self._fd, parts, self._written)
-            except OSError as exc:
-                if not self.direct or exc.errno != 22:  # EINVAL: alignment O_DIRECT cannot take here
-                    raise
-                self.direct = False
-                os.close(self._fd)
-                self._fd = self._open(self._path(self._segment), False)
-                written = os.pwritev(self._fd, parts, self._written)
-            if written != total:
-                raise OSError(f"replay log: short write ({written} of {total} bytes) to "
-                              f"{self._path(self._segment)}")
-            self._written += total
+        """Write everything queued, in few system calls, each as large as the kernel takes. The
+        scratch memory goes with the write; the next records get a fresh (or returned) buffer."""
+        if not self._queued:
+            return
+        parts, self._queued = self._queued, []
+        self._io(functools.partial(_pwrite, self._fd, self._path(self._segment), parts, self._written,
+                                   self._scratch, self._spare))
+        self._written = self._pos
+        self._scratch = self._spare.pop() if self._spare else mmap.mmap(-1, max(len(self._scratch), 8 << 20))
         self._used = 0
 
     def _append(self, rec: dict, raw=b"", padded=None) -> None:
@@ -223,7 +248,7 @@ class ReplayLog:
         now = time.monotonic()
         if force or self.fsync == "always" or (
                 self.fsync == "interval" and now - self._last_sync >= self.fsync_interval_s):
-            os.fdatasync(self._fd)
+            self._io(functools.partial(os.fdatasync, self._fd))
             self._last_sync = now
 
     def stored(self, group_id: str, blob, sync: bool = True, padded=None) -> None:
@@ -261,18 +286,20 @@ class ReplayLog:
 
     def close(self) -> None:
         if self._fd is not None:
-            self.sync(force=True)
-            os.close(self._fd)
+            self._flush()
+            self._io(functools.partial(_fsync_close, self._fd))
             self._fd = None
 
 
 class LogWriter:
-    """A ReplayLog written on a thread of its own, so that checksums, writes and fsyncs overlap
-    with serving. Same `stored` / `consumed` calls as the log, which queue the record and
-    return; `after(fn)` queues a callback that becomes due once everything queued before it is
-    written and synced per the policy (one sync for all the records the thread found waiting:
-    a group commit). The owner runs due callbacks with `due()`, on its own thread, when woken by
-    a message on `wake_endpoint` (an inproc ZeroMQ socket in the owner's context).
+    """A ReplayLog written by two threads of its own, so that checksums, writes and fsyncs
+    overlap with serving and with each other: one formats records and checksums them, the
+    other writes and syncs them in order. Same `stored` / `consumed` calls as the log, which
+    queue the record and return; `after(fn)` queues a callback that becomes due once everything
+    queued before it is written and synced per the policy (one write, and one sync, for all
+    the records found waiting: a group commit). The owner runs due callbacks with `due()`, on
+    its own thread, when woken by a message on `wake_endpoint` (an inproc ZeroMQ socket in the
+    owner's context).
 
     The replay server acknowledges a push, and a learner's `ack`, only from such a callback, so
     an acknowledgement still means "on the log", exactly as with the log written inline.
@@ -281,15 +308,19 @@ class LogWriter:
     def __init__(self, log: ReplayLog, ctx: zmq.Context) -> None:
         self.log = log
         self.error: OSError | None = None
-        """Set when a write failed: nothing after it is acknowledged, and the server stops."""
+        """Set when a write failed: nothing after it is written or acknowledged; the server stops."""
         self.wake_endpoint = f"inproc://replay-log-{id(self):x}"
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._io_queue: queue.Queue = queue.Queue(maxsize=8)  # bounded: formatting waits for the disk
+        log.submit = self._io_queue.put
         self._due: list = []
         self._lock = threading.Lock()
         self._wake = ctx.socket(zmq.PAIR)
         self._wake.bind(self.wake_endpoint)  # the owner connects its end before the first record
-        self._thread = threading.Thread(target=self._run, name="replay-log", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._format, name="replay-log", daemon=True),
+                         threading.Thread(target=self._write, name="replay-log-io", daemon=True)]
+        for t in self._threads:
+            t.start()
 
     def recover(self):
         return self.log.recover()
@@ -309,46 +340,62 @@ class LogWriter:
             out, self._due = self._due, []
         return out
 
-    def _run(self) -> None:
-        while True:
-            items = [self._queue.get()]
-            while True:  # everything waiting goes into one sync
+    def _format(self) -> None:
+        try:
+            stop = False
+            while not stop:
+                items = [self._queue.get()]
+                while True:  # everything waiting goes into one write and one sync
+                    try:
+                        items.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                callbacks = []
                 try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            callbacks, stop = [], False
-            for item in items:
-                try:
-                    if item is None:
-                        stop = True
-                    elif item[0] == "g":
-                        self.log.stored(item[1], item[2], sync=False, padded=item[3])
-                    elif item[0] == "c":
-                        self.log.consumed(item[1], sync=False)
-                    else:
-                        callbacks.append(item[1])
+                    for item in items:
+                        if item is None:
+                            stop = True
+                        elif item[0] == "g":
+                            self.log.stored(item[1], item[2], sync=False, padded=item[3])
+                        elif item[0] == "c":
+                            self.log.consumed(item[1], sync=False)
+                        else:
+                            callbacks.append(item[1])
+                    self.log.sync()
+                    if stop:
+                        self.log.close()
                 except OSError as exc:
                     self.error = exc
-                    break
+                    self._io_queue.put(self._signal)
+                    return
+                if callbacks:
+                    self._io_queue.put(functools.partial(self._release, callbacks))
+        finally:
+            self._io_queue.put(None)
+
+    def _write(self) -> None:
+        while (action := self._io_queue.get()) is not None:
+            if self.error is not None and action != self._signal:
+                continue  # after a failure nothing more is written or acknowledged
             try:
-                self.log.sync()
-            except OSError as exc:  # a full or failing disk: the server stops with this error
+                action()
+            except OSError as exc:
                 self.error = exc
-                callbacks = []
-            if callbacks:
-                with self._lock:
-                    self._due += callbacks
-            if callbacks or self.error is not None:
-                try:
-                    self._wake.send(b"", flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # a wake-up is already waiting; it covers these callbacks too
-            if stop or self.error is not None:
-                return
+                self._signal()
+
+    def _release(self, callbacks: list) -> None:
+        with self._lock:
+            self._due += callbacks
+        self._signal()
+
+    def _signal(self) -> None:
+        try:
+            self._wake.send(b"", flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a wake-up is already waiting; it covers this one too
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(30)
+        for t in self._threads:
+            t.join(30)
         self._wake.close(0)
-        self.log.close()
