@@ -58,10 +58,10 @@ def make_group(args: Args, rng):
 def _actor(args: Args, endpoint: str, name: str, stop, arena_mb: int) -> None:
     from replay.client import ZmqReplayClient
 
-    client = ZmqReplayClient(endpoint, actor=name, arena_bytes=arena_mb << 20, window=32)
+    client = ZmqReplayClient(endpoint, actor=name, arena_bytes=arena_mb << 20, window=64)
     client.hello()
     group = make_group(args, np.random.default_rng(0))
-    window = 16  # groups started and not yet pushed, per actor (credits asked for ahead)
+    window = 32  # groups started and not yet pushed, per actor (credits asked for ahead)
     for _ in range(window):
         client.request_credit()
     while not stop.is_set():

@@ -10,7 +10,7 @@ Layout: segment files `00000001.seg`, `00000002.seg`, ... Each starts with a
 4 KiB block holding the format's magic, then records, each starting on a 4 KiB
 boundary: a head `[u32 meta length][u32 raw length][u32 crc32][msgpack meta]`
 zero-padded to whole blocks, then the raw bytes (a stored group's blob, as it
-arrived) zero-padded to whole blocks. The crc covers meta and raw bytes. A new
+arrived) zero-padded to whole blocks. The crc32 runs over the raw bytes, then the meta. A new
 segment starts when the current one passes `segment_bytes`. Segments are
 removed oldest first, once every group they hold is consumed: consumed markers
 only ever point backwards, so removing a prefix never forgets a marker that a
@@ -144,7 +144,7 @@ class ReplayLog:
                 break
             meta = data[pos + _HEAD.size:pos + _HEAD.size + meta_len]
             raw = data[start:start + raw_len]
-            if zlib.crc32(raw, zlib.crc32(meta)) != crc:
+            if zlib.crc32(meta, zlib.crc32(raw)) != crc:
                 break
             yield msgpack.unpackb(meta, raw=False), raw
             pos = start + blocks(raw_len)
@@ -228,7 +228,7 @@ class ReplayLog:
         in_place = padded is not None and len(padded) == body_len and _address(padded) % BLOCK == 0
         copy = self.direct and len(raw) > 0 and not in_place  # O_DIRECT needs aligned memory
         buf = self._buffer(head_len + (body_len if copy else 0))
-        _HEAD.pack_into(buf, 0, len(meta), len(raw), zlib.crc32(raw, zlib.crc32(meta)))
+        _HEAD.pack_into(buf, 0, len(meta), len(raw), zlib.crc32(meta, zlib.crc32(raw)))
         buf[_HEAD.size:_HEAD.size + len(meta)] = meta
         buf[_HEAD.size + len(meta):head_len] = bytes(head_len - _HEAD.size - len(meta))
         if copy:

@@ -20,8 +20,10 @@ Run standalone: `python -m replay.server --help`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
+import queue
 import secrets
 import threading
 import time
@@ -32,7 +34,7 @@ import zmq
 from replay.arena import ARENA_DIR, ArenaReader, host_id
 from replay.buffer import Entry, ReplayBuffer
 from replay.log import LogWriter
-from replay.wire import MAX_FRAME, WireError, decode_group, pack_parts, unpack_parts
+from replay.wire import MAX_FRAME, WireError, check_group, pack_parts, read_group, unpack_parts
 
 REQUESTS = ("hello", "credit", "push", "sample", "ack", "stats", "ping")
 MAX_CREDITS = 4096
@@ -157,6 +159,10 @@ class ReplayServer:
             return
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        self._checker = Checker(ctx)
+        checked = ctx.socket(zmq.PAIR)
+        checked.connect(self._checker.wake_endpoint)
+        poller.register(checked, zmq.POLLIN)
         log_done = None
         if self.buffer.log is not None:
             self._writer = LogWriter(self.buffer.log, ctx)
@@ -168,6 +174,13 @@ class ReplayServer:
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(100))
+                if checked in events:
+                    while checked.poll(0):
+                        checked.recv()
+                    with self.lock:
+                        for push, error, (peer, rid) in self._checker.done():
+                            self._checked(sock, push, error, peer, rid)
+                        self._wake(sock)
                 if log_done in events:
                     while log_done.poll(0):
                         log_done.recv()
@@ -183,6 +196,8 @@ class ReplayServer:
                         self._handle(sock, frames)
                         self._wake(sock)
         finally:
+            self._checker.close()
+            checked.close(0)
             if self._writer is not None:
                 self._writer.close()  # writes what is queued
                 self.buffer.log = self._writer.log
@@ -234,22 +249,8 @@ class ReplayServer:
             if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_CREDITS:
                 raise WireError(f"field 'n' must be an integer in [1, {MAX_CREDITS}]")
             self._credit_waiters.append([peer, rid, _str(msg, "actor"), time.monotonic(), n])
-        elif kind == "push":
-            entry = self._entry(msg, blobs)
-            status = self.buffer.admit(entry)
-            gid = entry.group_id
-            if status is None and self._writer is not None:  # acknowledged once it is on the log
-                self._writing[gid] = []
-                padded = self.arenas.view(entry.ref, padded=True) if entry.ref else None  # no copy
-                self._writer.stored(gid, entry.blob, padded)
-                self._writer.after(functools.partial(self._logged, sock, peer, rid, entry))
-            elif status is None:
-                self.buffer.commit(entry, len(entry.rewards))
-                self._reply(sock, peer, rid, "ack", group_id=gid, status="stored")
-            elif status == "duplicate" and gid in self._writing:
-                self._writing[gid].append((peer, rid))  # a resend: acknowledged with the original
-            else:
-                self._reply(sock, peer, rid, "ack", group_id=gid, status=status)
+        elif kind == "push":  # header and lengths now; the arrays' values on the checker thread
+            self._checker.put(self._read(msg, blobs), (peer, rid))
         elif kind == "sample":
             step, rank, version = (_int(msg, k) for k in ("step", "rank", "version"))
             if rank >= self.buffer.shards:
@@ -274,24 +275,50 @@ class ReplayServer:
         for resend_peer, resend_rid in self._writing.pop(entry.group_id, []):
             self._reply(sock, resend_peer, resend_rid, "ack", group_id=entry.group_id, status="duplicate")
 
-    def _entry(self, msg: dict, blobs: list) -> Entry:
-        """The pushed group, validated: its bytes in the message, or a reference into the actor's arena."""
+    def _read(self, msg: dict, blobs: list) -> tuple:
+        """(group, blob, arena reference, release) of a push, the group's header and lengths
+        checked: its bytes in the message, or a reference into the actor's arena."""
         if "shm" not in msg:
             if len(blobs) != 1:
                 raise WireError("push carries exactly one group")
-            return Entry.of(decode_group(memoryview(blobs[0])), blobs[0])
+            return read_group(memoryview(blobs[0])), blobs[0], None, None
         if blobs:
             raise WireError("push carries a group or an arena reference, not both")
         ref = msg["shm"]
         view, fresh = self.arenas.acquire(ref)
         release = functools.partial(self.arenas.release, ref[0], ref[1]) if fresh else None
         try:
-            group = decode_group(view)
+            group = read_group(view)
         except WireError:
             if release is not None:
                 release()  # refused: the actor may reuse the extent
             raise
-        return Entry.of(group, view, list(ref), release)
+        return group, view, list(ref), release
+
+    def _checked(self, sock, push: tuple, error: WireError | None, peer: bytes, rid: int) -> None:
+        """The checker thread is done with a pushed group: refuse it, or store it."""
+        group, blob, ref, release = push
+        if error is not None:
+            if release is not None:
+                release()  # refused: the actor may reuse the extent
+            self.buffer.stats.malformed_frames += 1
+            self._reply(sock, peer, rid, "error", reason=str(error))
+            return
+        entry = Entry.of(group, blob, ref, release)
+        status = self.buffer.admit(entry)
+        gid = entry.group_id
+        if status is None and self._writer is not None:  # acknowledged once it is on the log
+            self._writing[gid] = []
+            padded = self.arenas.view(entry.ref, padded=True) if entry.ref else None  # no copy
+            self._writer.stored(gid, entry.blob, padded)
+            self._writer.after(functools.partial(self._logged, sock, peer, rid, entry))
+        elif status is None:
+            self.buffer.commit(entry, len(entry.rewards))
+            self._reply(sock, peer, rid, "ack", group_id=gid, status="stored")
+        elif status == "duplicate" and gid in self._writing:
+            self._writing[gid].append((peer, rid))  # a resend: acknowledged with the original
+        else:
+            self._reply(sock, peer, rid, "ack", group_id=gid, status=status)
 
     def _wake(self, sock) -> None:
         """Answer parked requests that the new state allows."""
@@ -326,6 +353,51 @@ class ReplayServer:
                 self.buffer.in_flight[actor] -= len(versions)
             if not delivered or not waiter[4]:
                 self._credit_waiters.pop(0)
+
+
+class Checker:
+    """A thread that checks pushed groups' array values (`check_group`: numpy passes that let
+    go of the GIL), so the server loop goes on answering meanwhile. Groups are checked in the
+    order they came; `done()` gives (push, error or None, context) for each, and a message on
+    `wake_endpoint` (an inproc ZeroMQ socket in the server's context) says there are some."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.wake_endpoint = f"inproc://replay-checker-{id(self):x}"
+        self._wake = ctx.socket(zmq.PAIR)
+        self._wake.bind(self.wake_endpoint)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: collections.deque = collections.deque()
+        self._thread = threading.Thread(target=self._run, name="replay-checker", daemon=True)
+        self._thread.start()
+
+    def put(self, push: tuple, context) -> None:
+        """Check `push` = (group, ...) from `read_group`."""
+        self._queue.put((push, context))
+
+    def done(self) -> list:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            push, context = job
+            try:
+                check_group(push[0])
+                error = None
+            except WireError as exc:
+                error = exc
+            self._done.append((push, error, context))
+            try:
+                self._wake.send(b"", flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a wake-up is already waiting; it covers this one too
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(10)
+        self._wake.close(0)
 
 
 def _str(msg: dict, key: str) -> str:

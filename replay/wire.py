@@ -82,7 +82,10 @@ class Group:
     actor: str = ""
     meta: dict[str, float] = field(default_factory=dict)
     _version: int | None = field(default=None, repr=False, compare=False)
-    """Set by `decode_group`, which computes it for the whole group at once."""
+    """Set by `check_group`, which computes it for the whole group at once."""
+    _arrays: tuple | None = field(default=None, repr=False, compare=False)
+    """Set by `read_group`: the whole group's arrays (tokens, versions, log-probs, mask) and where
+    each trajectory starts, for `check_group`'s passes."""
 
     @property
     def version(self) -> int:
@@ -259,11 +262,19 @@ def _list(header: dict, key: str, kind, n: int | None) -> list:
 
 def decode_group(blob: Any, checked: bool = False) -> Group:
     """Validate and decode a blob made by `encode_group` (bytes, or a buffer such as a ZeroMQ
-    frame). The trajectories' arrays are read-only views of the blob.
+    frame): `read_group`, then `check_group`. The trajectories' arrays are read-only views of
+    the blob.
 
     `checked=True` is for a blob replay has already validated in full (a learner reading an
     actor's arena in place): the header and every length are still checked, the passes over
     the arrays' values are skipped, and the group's version is left to be computed on use."""
+    group = read_group(blob)
+    return group if checked else check_group(group)
+
+
+def read_group(blob: Any) -> Group:
+    """Decode a group blob, checking its header and every length (cheap: no pass over the
+    arrays); `check_group` does the rest."""
     if not isinstance(blob, (bytes, bytearray, memoryview)) and not hasattr(blob, "buffer"):
         raise WireError("group: expected a group blob")
     header, payload = group_parts(getattr(blob, "buffer", blob))
@@ -300,8 +311,15 @@ def decode_group(blob: Any, checked: bool = False) -> Group:
              for s, k, r, t, f in zip(starts, lens, rewards, turns, finish)]
     group = Group(gid, _get(header, "task", str, what)[:256], trajs,
                   actor=str(header.get("actor", ""))[:128], meta=dict(meta))
-    if checked:
-        return group
+    group._arrays = (tokens, versions, logprobs, mask, starts)
+    return group
+
+
+def check_group(group: Group) -> Group:
+    """Check the values of a group from `read_group` (token ids, versions, mask, log-probs) in
+    a few vectorised passes, and compute its version. WireError if any is out of range."""
+    what = "group"
+    tokens, versions, logprobs, mask, starts = group._arrays
     # One pass per array. Read as unsigned, a negative int32 is at least 2**31, so one max checks
     # both bounds. A float min/max is NaN when any element is, and NaN fails every comparison.
     if (tokens.view("<u4").max() >= 1 << 31 or mask.max() > 1
