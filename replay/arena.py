@@ -36,6 +36,7 @@ before anything is read, and the blob is then validated like any other.
 from __future__ import annotations
 
 import bisect
+import collections
 import mmap
 import os
 import re
@@ -140,14 +141,17 @@ class Arena:
         mapping[:_TABLE] = (MAGIC + secrets.token_bytes(16)).ljust(_TABLE, b"\0")
         return cls(path, size, mapping)
 
-    def alloc(self, n: int, keep=()) -> tuple[int, memoryview] | None:
+    def alloc(self, n: int, keep=set) -> tuple[int, memoryview] | None:
         """An extent for an `n`-byte blob, marked HELD: (offset, writable view), or None if full.
-        Extents in `keep` (of pushes not yet acknowledged) are not reused even if FREE."""
+        Extents that replay has set FREE are taken back only when room runs out (a pass over
+        every held extent), except those in `keep()` (of pushes not yet acknowledged)."""
         need = pages(max(n, 1))
         if need > self.size - self.head:
             return None
-        self._reclaim(keep)
         off = self._fit(need, self._cursor) or self._fit(need, self.head)
+        if off is None:
+            self._reclaim(keep())
+            off = self._fit(need, self._cursor) or self._fit(need, self.head)
         if off is None:
             return None
         bisect.insort(self._starts, off)
@@ -199,7 +203,8 @@ class Arena:
 
     @property
     def held(self) -> int:
-        return len(self._starts)
+        """Extents replay holds now."""
+        return sum(self.state(off) == HELD for off in self._starts)
 
     def close(self) -> None:
         self._finalizer()  # unlinks; the mapping goes when the last view of it does
@@ -212,6 +217,7 @@ class ArenaReader:
         self.dir = Path(directory)
         self._maps: dict[str, mmap.mmap] = {}
         self._held: set[tuple[str, int]] = set()
+        self._count: collections.Counter = collections.Counter()  # arena -> extents held here
 
     def open(self, name: str, token: str | None = None) -> mmap.mmap:
         """Map arena `name` (WireError unless it is one of ours); check its token if given."""
@@ -264,14 +270,19 @@ class ArenaReader:
         view = self.view(ref)
         key = (ref[0], ref[1])
         fresh = key not in self._held
-        self._held.add(key)
+        if fresh:
+            self._held.add(key)
+            self._count[ref[0]] += 1
         return view, fresh
 
     def release(self, name: str, off: int) -> None:
         """Done with an extent: mark it FREE for its actor to reuse."""
-        self._held.discard((name, off))
+        if (name, off) in self._held:
+            self._held.discard((name, off))
+            self._count[name] -= 1
         mapping = self._maps.get(name)
         if mapping is not None:
             STATE.pack_into(mapping, state_at(off), FREE)
-            if not any(k[0] == name for k in self._held) and not (self.dir / name).exists():
+            if not self._count[name] and not (self.dir / name).exists():
                 del self._maps[name]  # the actor closed it; the mapping goes with its last view
+                del self._count[name]

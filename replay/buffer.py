@@ -2,8 +2,9 @@
 
 Pure bookkeeping, no sockets: `replay/server.py` puts it behind ZeroMQ and
 `LocalReplay` (replay/client.py) drives it in-process for tests and debugging.
-Groups are held as the validated msgpack bytes they arrived as (`Entry.blob`),
-so serving them costs no re-encoding.
+Groups are held as the validated blobs they arrived as (`Entry.blob`: a ZeroMQ
+frame, or a view of an actor's shared-memory arena), so serving them costs no
+re-encoding.
 
 Admission (AReaL): an actor needs a credit to start a group. With staleness
 bound η, B groups per learner step, learner version v, `accepted` groups stored
@@ -84,7 +85,8 @@ class ReplayStats:
 
     def to_dict(self) -> dict:
         return {"received_groups": self.received_groups, "received_trajectories": self.received_trajectories,
-                "received_bytes": self.received_bytes, "received_shared": self.received_shared, "served_groups": self.served_groups,
+                "received_bytes": self.received_bytes, "received_shared": self.received_shared,
+                "served_groups": self.served_groups,
                 "served_bytes": self.served_bytes, "duplicates": self.duplicates, "dropped": dict(self.dropped),
                 "staleness_served": {str(k): v for k, v in sorted(self.staleness_served.items())},
                 "credits_granted": self.credits_granted, "malformed_frames": self.malformed_frames}
@@ -271,6 +273,7 @@ class ReplayBuffer:
 
     def snapshot(self) -> dict:
         return {"version": self.version, "queue_groups": len(self.queue), "stored_bytes": self.stored_bytes,
-                "accepted": self.accepted, "in_flight": sum(self.in_flight.values()), "pending": self.pending, "capacity": self.capacity,
+                "accepted": self.accepted, "in_flight": sum(self.in_flight.values()), "pending": self.pending,
+                "capacity": self.capacity,
                 "shards_unacked": sum(s is not None for v in self.batches.values() for s in v),
                 **self.stats.to_dict()}

@@ -219,7 +219,7 @@ class ZmqReplayClient:
         where = []
 
         def alloc(size: int):
-            extent = self._arena.alloc(size, keep=self._pending_extents())
+            extent = self._arena.alloc(size, keep=self._pending_extents)
             if extent is None:
                 return None  # full, or too big: this one goes on the socket
             where.extend((extent[0], size))

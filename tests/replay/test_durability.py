@@ -154,3 +154,58 @@ def test_a_torn_tail_record_is_cut_off(tmp_path):
 def test_bad_fsync_policy_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="fsync"):
         ReplayLog(tmp_path, fsync="sometimes")
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_log_reads_back_what_it_wrote_with_and_without_o_direct(tmp_path, direct):
+    from replay.arena import Arena
+
+    log = ReplayLog(tmp_path, fsync="always", direct=direct)
+    log.recover()
+    arena = Arena.create(1 << 20, str(tmp_path))  # a page-aligned blob is written in place
+    groups = [make_group(seed=i, length=40 + 997 * i) for i in range(4)]
+    blobs = [bytes(encode_group(g)) for g in groups]
+    off, view = arena.alloc(len(blobs[1]))
+    view[:] = blobs[1]
+    log.stored(groups[0].group_id, blobs[0])
+    log.stored(groups[1].group_id, view, padded=arena.view(off, (len(blobs[1]) + 4095) // 4096 * 4096))
+    log.stored(groups[2].group_id, memoryview(blobs[2]))
+    log.consumed([groups[0].group_id])
+    log.stored(groups[3].group_id, blobs[3])
+    log.close()
+    arena.close()
+    back, seen = ReplayLog(tmp_path).recover()
+    assert [bytes(b) for b in back] == blobs[1:] and seen == [g.group_id for g in groups]
+
+
+def test_a_segment_of_another_format_is_a_clear_error(tmp_path):
+    (tmp_path / "00000001.seg").write_bytes(b"\x10\x00\x00\x00" + b"x" * 100)
+    with pytest.raises(RuntimeError, match="not a replay log segment"):
+        ReplayLog(tmp_path).recover()
+
+
+def test_a_resend_that_comes_while_the_original_is_being_logged_is_acknowledged_after_it(tmp_path):
+    import zmq
+
+    from replay.buffer import ReplayBuffer
+    from replay.server import ReplayServer
+    from replay.wire import pack_parts, unpack_parts
+
+    log = ReplayLog(tmp_path, fsync="always")
+    srv = ReplayServer(ReplayBuffer(groups_per_step=1, max_staleness=10, log=log), "tcp://127.0.0.1:*")
+    srv.start()
+    try:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(srv.endpoint)
+        blob = encode_group(make_group(seed=1))
+        for rid in (1, 2, 3):  # the original and two resends, back to back
+            sock.send_multipart(pack_parts("push", [blob], id=rid))
+        replies = []
+        while len(replies) < 3 and sock.poll(5000):
+            replies.append(unpack_parts(sock.recv_multipart())[0])
+        assert [(r["id"], r["status"]) for r in replies] == [(1, "stored"), (2, "duplicate"), (3, "duplicate")]
+        sock.close(0)
+        assert srv.snapshot()["queue_groups"] == 1
+    finally:
+        srv.stop()

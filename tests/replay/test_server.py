@@ -118,3 +118,37 @@ def test_malformed_frames_get_errors_and_the_server_keeps_serving(server):
     assert client.stats()["malformed_frames"] == len(bad)
     with pytest.raises(WireError, match="rank"):
         client.sample(step=0, rank=5, version=0, timeout=5)
+
+
+def test_credits_asked_for_together_come_in_one_request_and_bad_counts_are_refused(server):
+    from replay.wire import pack_parts, unpack_parts
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    sock.send_multipart(pack_parts("credit", id=1, actor="b", n=3))
+    assert sock.poll(5000)
+    reply = unpack_parts(sock.recv_multipart())[0]
+    assert reply["type"] == "credit" and reply["versions"] == [0, 0, 0]
+    for n in (0, -1, 5000, "3", True):
+        sock.send_multipart(pack_parts("credit", id=2, actor="b", n=n))
+        assert sock.poll(5000)
+        assert unpack_parts(sock.recv_multipart())[0]["type"] == "error"
+    sock.close(0)
+
+
+def test_a_learner_that_acks_without_waiting_goes_on_and_nothing_is_served_twice(server):
+    actor = ZmqReplayClient(server.endpoint, actor="a")
+    groups = [make_group(seed=i, actor="a") for i in range(8)]
+    for g in groups:
+        actor.send(g)
+    actor.flush(10)
+    learner = ZmqReplayClient(server.endpoint)
+    served = []
+    for step in range(2):
+        for rank in (0, 1):
+            served += [g.group_id for g in learner.sample(step=step, rank=rank, version=step, timeout=5)]
+            learner.ack(step, rank, wait=False)
+    assert sorted(served) == sorted(g.group_id for g in groups)
+    stats = learner.stats()  # answered after the acks, which came first on the same socket
+    assert stats["shards_unacked"] == 0 and stats["served_groups"] == 8 and not learner._acks
