@@ -40,6 +40,9 @@ class Args:
     """Episodes per group (G)."""
     lr: float = 1.5e-3
     """Learning rate (the default run's)."""
+    mini_batches: int = 1
+    """Optimizer updates per step (--learner.mini-batches); above 1, π_old gets its own forward
+    pass and the PPO clip keeps a trust region around it for the corrected objectives."""
     seed: int = 0
     """One seed for every run: the same mazes, sampler seeds and adapter initialisation."""
     jobs: int = 2
@@ -119,7 +122,7 @@ def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     cfg = Config(actors=1, learners=1, max_staleness=eta, correction=correction, seed=args.seed)
-    cfg.learner = LearnerConfig(lr=args.lr, groups_per_step=args.groups_per_step)
+    cfg.learner = LearnerConfig(lr=args.lr, groups_per_step=args.groups_per_step, mini_batches=args.mini_batches)
     cfg.actor.group_size, cfg.actor.groups_in_flight = args.group_size, args.groups_per_step
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,7 +152,8 @@ def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
             print(f"  eta={eta} {correction}: step {k + 1}/{args.steps} reward {m['reward_mean']:.2f} "
                   f"staleness {m['staleness_mean']:.0f} is_w {m['is_weight_mean']:.2f} "
                   f"clip {m['clip_fraction']:.3f} masked {m['masked_fraction']:.3f} "
-                  f"mismatch_kl {m['mismatch_kl']:.4f} entropy {m['entropy']:.3f} train {m['train_s']:.0f}s ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+                  f"mismatch_kl {m['mismatch_kl']:.4f} entropy {m['entropy']:.3f} train {m['train_s']:.0f}s "
+                  f"({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
         train_s = time.time() - t0
         evaluator = Evaluator(cfg, model_path)
         evaluator.load(args.steps, adapters[args.steps].tensors)
@@ -189,7 +193,8 @@ def main(args: Args) -> int:
     model_path = ensure_warmstart(log=lambda m: print(m, file=sys.stderr, flush=True))
     runs = [(eta, c) for eta in args.etas for c in args.corrections]
     print(f"staleness bench: {len(runs)} runs × {args.steps} steps of {args.groups_per_step}×{args.group_size} "
-          f"episodes, lr {args.lr}, seed {args.seed}, {args.jobs} at a time", flush=True)
+          f"episodes, lr {args.lr}, {args.mini_batches} mini-batch(es) a step, seed {args.seed}, "
+          f"{args.jobs} at a time", flush=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     results, pending, live = {}, list(runs), {}
