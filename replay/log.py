@@ -47,6 +47,8 @@ import msgpack
 import numpy as np
 import zmq
 
+from replay.wake import Waker
+
 BLOCK = 4096
 MAGIC = b"TANDEM-REPLAY-LOG-2\n"
 _HEAD = struct.Struct("<III")  # meta length, raw length, crc32
@@ -298,8 +300,7 @@ class LogWriter:
     queue the record and return; `after(fn)` queues a callback that becomes due once everything
     queued before it is written and synced per the policy (one write, and one sync, for all
     the records found waiting: a group commit). The owner runs due callbacks with `due()`, on
-    its own thread, when woken by a message on `wake_endpoint` (an inproc ZeroMQ socket in the
-    owner's context).
+    its own thread, when woken through `waker` (replay/wake.py).
 
     The replay server acknowledges a push, and a learner's `ack`, only from such a callback, so
     an acknowledgement still means "on the log", exactly as with the log written inline.
@@ -309,14 +310,12 @@ class LogWriter:
         self.log = log
         self.error: OSError | None = None
         """Set when a write failed: nothing after it is written or acknowledged; the server stops."""
-        self.wake_endpoint = f"inproc://replay-log-{id(self):x}"
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._io_queue: queue.Queue = queue.Queue(maxsize=8)  # bounded: formatting waits for the disk
         log.submit = self._io_queue.put
         self._due: list = []
         self._lock = threading.Lock()
-        self._wake = ctx.socket(zmq.PAIR)
-        self._wake.bind(self.wake_endpoint)  # the owner connects its end before the first record
+        self.waker = Waker(ctx, "replay-log")  # the owner listens before the first record
         self._threads = [threading.Thread(target=self._format, name="replay-log", daemon=True),
                          threading.Thread(target=self._write, name="replay-log-io", daemon=True)]
         for t in self._threads:
@@ -366,7 +365,7 @@ class LogWriter:
                         self.log.close()
                 except OSError as exc:
                     self.error = exc
-                    self._io_queue.put(self._signal)
+                    self._io_queue.put(self.waker.signal)
                     return
                 if callbacks:
                     self._io_queue.put(functools.partial(self._release, callbacks))
@@ -375,27 +374,21 @@ class LogWriter:
 
     def _write(self) -> None:
         while (action := self._io_queue.get()) is not None:
-            if self.error is not None and action != self._signal:
+            if self.error is not None and action != self.waker.signal:
                 continue  # after a failure nothing more is written or acknowledged
             try:
                 action()
             except OSError as exc:
                 self.error = exc
-                self._signal()
+                self.waker.signal()
 
     def _release(self, callbacks: list) -> None:
         with self._lock:
             self._due += callbacks
-        self._signal()
-
-    def _signal(self) -> None:
-        try:
-            self._wake.send(b"", flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # a wake-up is already waiting; it covers this one too
+        self.waker.signal()
 
     def close(self) -> None:
         self._queue.put(None)
         for t in self._threads:
             t.join(30)
-        self._wake.close(0)
+        self.waker.close()

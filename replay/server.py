@@ -20,10 +20,8 @@ Run standalone: `python -m replay.server --help`.
 
 from __future__ import annotations
 
-import collections
 import functools
 import os
-import queue
 import secrets
 import threading
 import time
@@ -33,8 +31,10 @@ import zmq
 
 from replay.arena import ARENA_DIR, ArenaReader, host_id
 from replay.buffer import Entry, ReplayBuffer
+from replay.checker import Checker
 from replay.log import LogWriter
-from replay.wire import MAX_FRAME, WireError, check_group, pack_parts, read_group, unpack_parts
+from replay.wake import drain
+from replay.wire import MAX_FRAME, WireError, pack_parts, read_group, unpack_parts
 
 REQUESTS = ("hello", "credit", "push", "sample", "ack", "stats", "ping")
 MAX_CREDITS = 4096
@@ -160,30 +160,26 @@ class ReplayServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         self._checker = Checker(ctx)
-        checked = ctx.socket(zmq.PAIR)
-        checked.connect(self._checker.wake_endpoint)
+        checked = self._checker.waker.listen()
         poller.register(checked, zmq.POLLIN)
         log_done = None
         if self.buffer.log is not None:
             self._writer = LogWriter(self.buffer.log, ctx)
             self.buffer.log = self._writer
-            log_done = ctx.socket(zmq.PAIR)
-            log_done.connect(self._writer.wake_endpoint)
+            log_done = self._writer.waker.listen()
             poller.register(log_done, zmq.POLLIN)
         self._ready.set()
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(100))
                 if checked in events:
-                    while checked.poll(0):
-                        checked.recv()
+                    drain(checked)
                     with self.lock:
                         for push, error, (peer, rid) in self._checker.done():
                             self._checked(sock, push, error, peer, rid)
                         self._wake(sock)
                 if log_done in events:
-                    while log_done.poll(0):
-                        log_done.recv()
+                    drain(log_done)
                     if self._writer.error is not None:
                         raise RuntimeError(f"replay log: {self._writer.error}") from self._writer.error
                     with self.lock:
@@ -353,51 +349,6 @@ class ReplayServer:
                 self.buffer.in_flight[actor] -= len(versions)
             if not delivered or not waiter[4]:
                 self._credit_waiters.pop(0)
-
-
-class Checker:
-    """A thread that checks pushed groups' array values (`check_group`: numpy passes that let
-    go of the GIL), so the server loop goes on answering meanwhile. Groups are checked in the
-    order they came; `done()` gives (push, error or None, context) for each, and a message on
-    `wake_endpoint` (an inproc ZeroMQ socket in the server's context) says there are some."""
-
-    def __init__(self, ctx: zmq.Context) -> None:
-        self.wake_endpoint = f"inproc://replay-checker-{id(self):x}"
-        self._wake = ctx.socket(zmq.PAIR)
-        self._wake.bind(self.wake_endpoint)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._done: collections.deque = collections.deque()
-        self._thread = threading.Thread(target=self._run, name="replay-checker", daemon=True)
-        self._thread.start()
-
-    def put(self, push: tuple, context) -> None:
-        """Check `push` = (group, ...) from `read_group`."""
-        self._queue.put((push, context))
-
-    def done(self) -> list:
-        out = []
-        while self._done:
-            out.append(self._done.popleft())
-        return out
-
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            push, context = job
-            try:
-                check_group(push[0])
-                error = None
-            except WireError as exc:
-                error = exc
-            self._done.append((push, error, context))
-            try:
-                self._wake.send(b"", flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # a wake-up is already waiting; it covers this one too
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(10)
-        self._wake.close(0)
 
 
 def _str(msg: dict, key: str) -> str:

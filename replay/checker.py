@@ -1,0 +1,58 @@
+"""Checking pushed groups off the replay server loop.
+
+Reading a group's header and lengths is cheap and stays on the loop; checking
+its arrays' values (`check_group`: a few numpy passes over every byte, which
+let go of the GIL) runs here, on a thread of its own, so the loop goes on
+answering other peers meanwhile, and a large group never stalls them.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+
+import zmq
+
+from replay.wake import Waker
+from replay.wire import WireError, check_group
+
+
+class Checker:
+    """A thread that checks pushed groups' array values (`check_group`: numpy passes that let
+    go of the GIL), so the server loop goes on answering meanwhile. Groups are checked in the
+    order they came; `done()` gives (push, error or None, context) for each, and `waker`
+    (replay/wake.py) says there are some."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.waker = Waker(ctx, "replay-checker")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: collections.deque = collections.deque()
+        self._thread = threading.Thread(target=self._run, name="replay-checker", daemon=True)
+        self._thread.start()
+
+    def put(self, push: tuple, context) -> None:
+        """Check `push` = (group, ...) from `read_group`."""
+        self._queue.put((push, context))
+
+    def done(self) -> list:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            push, context = job
+            try:
+                check_group(push[0])
+                error = None
+            except WireError as exc:
+                error = exc
+            self._done.append((push, error, context))
+            self.waker.signal()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(10)
+        self.waker.close()
