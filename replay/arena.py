@@ -283,6 +283,13 @@ class ArenaReader:
         mapping = self._maps.get(name)
         if mapping is not None:
             STATE.pack_into(mapping, state_at(off), FREE)
+            if not self._count[name]:
+                self.forget_closed([name])
+
+    def forget_closed(self, names=None) -> None:
+        """Unmap arenas (of `names`, or all) whose actor has closed them and of which nothing is
+        held here: an unlinked file's memory goes back only with its last mapping (or view)."""
+        for name in list(self._maps if names is None else names):
             if not self._count[name] and not (self.dir / name).exists():
-                del self._maps[name]  # the actor closed it; the mapping goes with its last view
-                del self._count[name]
+                self._maps.pop(name, None)
+                self._count.pop(name, None)

@@ -335,7 +335,9 @@ class ZmqReplayClient:
             if self._unreadable >= 3:
                 self._reader = None
             return self.sample(step, rank, version, timeout, by_reference=False)
-        self._unreadable = 0
+        if self._reader is not None and any(refs):
+            self._unreadable = 0
+            self._reader.forget_closed()  # arenas of actors that have gone
         return groups
 
     def ack(self, step: int, rank: int, wait: bool = True) -> None:

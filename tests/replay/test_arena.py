@@ -210,3 +210,27 @@ def test_arenas_of_dead_processes_are_removed(arenas):
     assert not dead.exists() and live.path.exists()
     live.close()
     assert not live.path.exists()
+
+
+def test_a_learner_lets_go_of_the_arena_of_an_actor_that_has_gone(arenas):
+    srv = serve(arenas, arenas)
+    try:
+        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        actor.hello()
+        for step in range(2):
+            for i in range(2):
+                actor.send(make_group(seed=10 * step + i))
+            actor.flush(10)
+            if step == 1:
+                actor.close()  # the actor exits: its file goes, replay still holds its groups
+            assert len(learner.sample(step, 0, 0, timeout=10)) == 2
+            learner.ack(step, 0)
+        assert learner._reader._maps == {}  # the gone actor's memory is not kept alive
+        remote = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=0)  # no reader at all
+        actor2 = ZmqReplayClient(srv.endpoint, actor="actor-1", key=KEY, arena_bytes=0)
+        for i in range(2):
+            actor2.push(make_group(seed=100 + i))
+        assert len(remote.sample(2, 0, 0, timeout=10)) == 2
+    finally:
+        srv.stop()
