@@ -391,4 +391,5 @@ class LogWriter:
         self._queue.put(None)
         for t in self._threads:
             t.join(30)
+        self.log.submit = None  # the log is written inline again (closing it, say)
         self.waker.close()

@@ -21,6 +21,7 @@ Run standalone: `python -m replay.server --help`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import secrets
 import threading
@@ -134,9 +135,15 @@ class ReplayServer:
         if self._thread is not None:
             self._thread.join(10)
         if self.buffer.log is not None:
-            self.buffer.log.close()
+            try:
+                self.buffer.log.close()
+            except OSError as exc:  # the log failed already (and said so): nothing more to save
+                logging.getLogger("tandem.replay").warning("closing the replay log: %s", exc)
 
     def snapshot(self) -> dict:
+        """The counters; raises if the service has stopped on an error (a log it cannot write)."""
+        if self._error is not None:
+            raise RuntimeError(f"the replay service stopped: {self._error}") from self._error
         with self.lock:
             return {**self.buffer.snapshot(), "credit_wait_s": self.credit_wait_s,
                     "credit_waiters": len(self._credit_waiters), "lost_replies": self.lost_replies}
@@ -191,6 +198,9 @@ class ReplayServer:
                     with self.lock:
                         self._handle(sock, frames)
                         self._wake(sock)
+        except Exception as exc:  # noqa: BLE001 - kept, and raised by snapshot(), so the owner stops
+            self._error = exc
+            logging.getLogger("tandem.replay").error("the replay service stopped: %s", exc)
         finally:
             self._checker.close()
             checked.close(0)

@@ -209,3 +209,30 @@ def test_a_resend_that_comes_while_the_original_is_being_logged_is_acknowledged_
         assert srv.snapshot()["queue_groups"] == 1
     finally:
         srv.stop()
+
+
+def test_a_log_that_cannot_be_written_stops_the_service_loudly_and_acknowledges_nothing(tmp_path):
+    from replay.buffer import ReplayBuffer
+    from replay.server import ReplayServer
+
+    srv = ReplayServer(ReplayBuffer(groups_per_step=1, max_staleness=10, log=ReplayLog(tmp_path)),
+                       "tcp://127.0.0.1:*")
+    srv.start()
+    try:
+        actor = ZmqReplayClient(srv.endpoint, actor="a", timeout=2)
+        assert actor.push(make_group(seed=1)) == "stored"
+        os.close(srv.buffer.log.log._fd)  # the disk goes away under the log (a failure outside us)
+        actor.send(make_group(seed=2))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                srv.snapshot()
+            except RuntimeError as exc:
+                assert "replay service stopped" in str(exc)
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the service went on without its log")
+        assert actor.statuses == {"stored": 1}  # the second group was never acknowledged
+    finally:
+        srv.stop()
