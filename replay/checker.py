@@ -26,14 +26,16 @@ class Checker:
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.waker = Waker(ctx, "replay-checker")
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Bounded: when checking falls behind, the server loop waits here and stops reading its
+        # socket, so ZeroMQ's own limits push back on the senders. Nothing queues without bound.
+        self._queue: queue.Queue = queue.Queue(maxsize=64)
         self._done: collections.deque = collections.deque()
         self._thread = threading.Thread(target=self._run, name="replay-checker", daemon=True)
         self._thread.start()
 
     def put(self, push: tuple, context) -> None:
-        """Check `push` = (group, ...) from `read_group`."""
-        self._queue.put((push, context))
+        """Check `push` = (group, ...) from `read_group` (waits while 64 are queued)."""
+        self._queue.put((push, context), timeout=60)
 
     def done(self) -> list:
         out = []

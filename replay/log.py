@@ -310,7 +310,7 @@ class LogWriter:
         self.log = log
         self.error: OSError | None = None
         """Set when a write failed: nothing after it is written or acknowledged; the server stops."""
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.Queue = queue.Queue(maxsize=256)  # bounded: the server loop waits for the disk
         self._io_queue: queue.Queue = queue.Queue(maxsize=8)  # bounded: formatting waits for the disk
         log.submit = self._io_queue.put
         self._due: list = []
@@ -325,13 +325,24 @@ class LogWriter:
         return self.log.recover()
 
     def stored(self, group_id: str, blob, padded=None) -> None:
-        self._queue.put(("g", group_id, blob, padded))
+        self._put(("g", group_id, blob, padded))
 
     def consumed(self, group_ids: list[str]) -> None:
-        self._queue.put(("c", list(group_ids), None))
+        self._put(("c", list(group_ids), None))
 
     def after(self, fn) -> None:
-        self._queue.put(("f", fn, None))
+        self._put(("f", fn, None))
+
+    def _put(self, item) -> None:
+        """Queue `item`, waiting while the queue is full; OSError once the log has failed."""
+        while True:
+            if self.error is not None:
+                raise OSError(f"replay log: {self.error}")
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
 
     def due(self) -> list:
         """Callbacks whose records are on the log, in order."""
@@ -369,6 +380,8 @@ class LogWriter:
                     return
                 if callbacks:
                     self._io_queue.put(functools.partial(self._release, callbacks))
+                if self.error is not None:  # a write failed on the I/O thread: stop here too
+                    return
         finally:
             self._io_queue.put(None)
 
@@ -388,7 +401,12 @@ class LogWriter:
         self.waker.signal()
 
     def close(self) -> None:
-        self._queue.put(None)
+        while self._threads[0].is_alive():  # the formatting thread writes what is queued, then stops
+            try:
+                self._queue.put(None, timeout=0.5)
+                break
+            except queue.Full:
+                continue
         for t in self._threads:
             t.join(30)
         self.log.submit = None  # the log is written inline again (closing it, say)
