@@ -6,7 +6,9 @@ actor owns an *arena*, a file in /dev/shm that it maps, writes its encoded
 groups into, and names in its push (`[arena, offset, length]`) instead of
 sending the bytes. Replay maps the arena read-write, validates the blob in
 place, stores the reference and serves it to a learner on the same host by
-reference too; the learner copies it out before it trains. Everything else is
+reference too; the learner reads it in place (the extent stays held until the
+learner acknowledges the step, and its collate copies what it trains on, as it
+would from a socket frame). Everything else is
 unchanged: the push is acknowledged, deduplicated, credited and logged exactly
 as a push with the bytes in it (the durable log writes the bytes from the
 arena).
