@@ -225,7 +225,12 @@ class ZmqReplayClient:
             where.extend((extent[0], size))
             return extent[1]
 
-        blob = encode_group(group, alloc)
+        try:
+            blob = encode_group(group, alloc)
+        except BaseException:
+            if where:
+                self._arena.free(where[0])  # never pushed: the extent is this actor's again
+            raise
         return [self._arena.name, *where] if where else blob
 
     def _call(self, msg_type: str, timeout: float | None, blobs: list = (), **fields) -> dict:

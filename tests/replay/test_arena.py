@@ -25,6 +25,13 @@ def serve(tmp_path, arena_dir=None, **kwargs) -> ReplayServer:
     return srv
 
 
+def pair(srv, arenas, arena_bytes: int = 1 << 20):
+    """An actor (said hello, so its arena is offered) and a learner, both on this host."""
+    actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=arena_bytes, arena_dir=str(arenas))
+    actor.hello()
+    return actor, ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+
+
 @pytest.fixture
 def arenas(tmp_path):
     """Arena files go to a test directory standing in for /dev/shm (same filesystem semantics)."""
@@ -43,9 +50,7 @@ def same(a, b) -> bool:
 def test_groups_go_through_the_arena_arrive_intact_and_extents_are_reused(arenas):
     srv = serve(arenas, arenas)
     try:
-        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
-        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
-        actor.hello()
+        actor, learner = pair(srv, arenas)
         assert actor._shared
         size = len(encode_group(make_group(length=2000)))  # ~104 KB: the 1 MiB arena holds ~10
         groups = [make_group(seed=i, length=2000) for i in range(60)]
@@ -71,10 +76,7 @@ def test_a_full_arena_sends_bytes_and_nothing_is_lost(arenas):
     try:
         groups = [make_group(seed=i, length=2000) for i in range(8)]
         room = pages(len(encode_group(groups[0]))) * 2
-        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=head_size(room) + room,
-                                arena_dir=str(arenas))  # room for two groups
-        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
-        actor.hello()
+        actor, learner = pair(srv, arenas, arena_bytes=head_size(room) + room)  # room for two groups
         for g in groups:
             actor.send(g)
         actor.flush(10)
@@ -215,9 +217,7 @@ def test_arenas_of_dead_processes_are_removed(arenas):
 def test_a_learner_lets_go_of_the_arena_of_an_actor_that_has_gone(arenas):
     srv = serve(arenas, arenas)
     try:
-        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
-        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
-        actor.hello()
+        actor, learner = pair(srv, arenas)
         for step in range(2):
             for i in range(2):
                 actor.send(make_group(seed=10 * step + i))
