@@ -17,7 +17,8 @@ only ever point backwards, so removing a prefix never forgets a marker that a
 live segment needs. A torn record at the end of the last segment (a crash
 mid-write) is cut off.
 
-Writes: one `pwritev` per record. Where the filesystem allows it, segments are
+Writes: records are queued and written together, with as few `pwritev` calls as
+the kernel takes, whenever the log syncs. Where the filesystem allows it, segments are
 opened with O_DIRECT: the blob goes from the memory it arrived in (a ZeroMQ
 frame, copied once into an aligned buffer, or an actor's page-aligned arena,
 not copied at all) to the device, without a copy into the page cache; the

@@ -311,16 +311,16 @@ class ReplayServer:
             self._reply(sock, peer, rid, "error", reason=str(error))
             return
         entry = Entry.of(group, blob, ref, release)
-        status = self.buffer.admit(entry)
         gid = entry.group_id
-        if status is None and self._writer is not None:  # acknowledged once it is on the log
+        if self._writer is None:  # no log: stored (or not) at once
+            self._reply(sock, peer, rid, "ack", group_id=gid, status=self.buffer.push(entry, len(entry.rewards)))
+            return
+        status = self.buffer.admit(entry)
+        if status is None:  # acknowledged once it is on the log
             self._writing[gid] = []
             padded = self.arenas.view(entry.ref, padded=True) if entry.ref else None  # no copy
             self._writer.stored(gid, entry.blob, padded)
             self._writer.after(functools.partial(self._logged, sock, peer, rid, entry))
-        elif status is None:
-            self.buffer.commit(entry, len(entry.rewards))
-            self._reply(sock, peer, rid, "ack", group_id=gid, status="stored")
         elif status == "duplicate" and gid in self._writing:
             self._writing[gid].append((peer, rid))  # a resend: acknowledged with the original
         else:
