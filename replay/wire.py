@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import math
 import struct
 from dataclasses import dataclass, field
@@ -306,7 +307,7 @@ def read_group(blob: Any) -> Group:
         arrays[name] = np.frombuffer(payload, dtype=dtype, count=n, offset=offset)
         offset += n * arrays[name].itemsize
     tokens, versions, logprobs, mask = (arrays[k] for k in ("tokens", "versions", "logprobs", "mask"))
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist()
+    starts = [0, *itertools.accumulate(lens[:-1])]
     trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f)
              for s, k, r, t, f in zip(starts, lens, rewards, turns, finish)]
     group = Group(gid, _get(header, "task", str, what)[:256], trajs,

@@ -236,3 +236,48 @@ def test_a_log_that_cannot_be_written_stops_the_service_loudly_and_acknowledges_
         assert actor.statuses == {"stored": 1}  # the second group was never acknowledged
     finally:
         srv.stop()
+
+
+def test_the_log_checksum_catches_every_flipped_bit_and_a_block_of_other_bytes():
+    import numpy as np
+
+    from replay.log import BLOCK, checksum
+
+    rng = np.random.default_rng(0)
+    data = bytearray(rng.integers(0, 256, 10 * BLOCK + 123, dtype=np.uint8).tobytes())
+    h = checksum(data)
+    for bit in rng.integers(0, len(data) * 8, 300):  # 300 single-bit flips, anywhere
+        data[bit // 8] ^= 1 << (bit % 8)
+        assert checksum(data) != h
+        data[bit // 8] ^= 1 << (bit % 8)
+    assert checksum(data) == h
+    for other in (bytes(BLOCK), bytes(data[:BLOCK])):  # a block never written, a block of older bytes
+        torn = bytearray(data)
+        torn[3 * BLOCK:4 * BLOCK] = other
+        assert checksum(torn) != h
+    swapped = bytearray(data)
+    swapped[BLOCK:2 * BLOCK], swapped[2 * BLOCK:3 * BLOCK] = data[2 * BLOCK:3 * BLOCK], data[BLOCK:2 * BLOCK]
+    assert checksum(swapped) != h
+    assert checksum(data) == checksum(bytes(data) + bytes(BLOCK - 123))  # the last block is zero-padded
+
+
+@pytest.mark.parametrize("lost", ["zeros", "older bytes"])
+def test_a_record_with_a_block_that_never_reached_the_disk_is_cut_off(tmp_path, lost):
+    from replay.log import BLOCK, MAGIC
+
+    log = ReplayLog(tmp_path, fsync="always")
+    log.recover()
+    groups = [make_group(seed=s) for s in (1, 2)]
+    for g in groups:
+        log.stored(g.group_id, encode_group(g))
+    log.close()
+    seg = sorted(tmp_path.glob("*.seg"))[-1]
+    data = bytearray(seg.read_bytes())
+    assert data.startswith(MAGIC)
+    second = data.rindex(b"\x00" * 16 + bytes(encode_group(groups[1]))[:64]) + 16  # the 2nd blob's start
+    assert second % BLOCK == 0
+    data[second:second + BLOCK] = bytes(BLOCK) if lost == "zeros" else data[BLOCK:2 * BLOCK]
+    seg.write_bytes(bytes(data))
+    blobs, seen = ReplayLog(tmp_path).recover()  # a crash tore the last record: it is cut off
+    assert [bytes(b) for b in blobs] == [bytes(encode_group(groups[0]))] and seen == [groups[0].group_id]
+    assert seg.stat().st_size < len(data)
