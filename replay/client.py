@@ -26,7 +26,7 @@ from replay.arena import ARENA_DIR, Arena, ArenaReader, host_id
 from replay.buffer import Entry, ReplayBuffer
 from replay.wire import Group, WireError, decode_group, encode_group, pack_parts, unpack_parts
 
-REPLIES = ("ok", "credit", "ack", "batch", "stats", "error")
+REPLIES = ("ok", "credit", "ack", "acks", "batch", "stats", "error")
 log = logging.getLogger("tandem.replay")
 
 
@@ -166,6 +166,16 @@ class ZmqReplayClient:
         elif msg.get("arena") is False and self._shared:
             log.info("replay cannot open this actor's arena (%s): groups go on the socket", msg.get("reason"))
             self._shared = False
+        elif msg["type"] == "acks":  # several pushes written to replay's log together
+            acks = msg.get("acks")
+            if not isinstance(acks, list) or not all(
+                    isinstance(a, list) and len(a) == 2 and isinstance(a[0], int) and isinstance(a[1], str)
+                    for a in acks):
+                raise WireError("acks: expected a list of [request id, status] pairs")
+            for rid, status in acks:
+                if rid in self._unacked:
+                    del self._unacked[rid]
+                    self._count(status)
         elif msg.get("id") in self._unacked:
             item, _ = self._unacked.pop(msg["id"])
             if msg["type"] == "error" and isinstance(item, list) and str(msg.get("reason")).startswith("arena:"):
@@ -174,9 +184,12 @@ class ZmqReplayClient:
             status = msg["status"] if msg["type"] == "ack" else "refused"
             if status == "refused":  # a malformed group: resending cannot help; count it, go on
                 log.warning("replay refused a group: %s", msg.get("reason"))
-            self.statuses[status] = self.statuses.get(status, 0) + 1
-            self.last_status = status
+            self._count(status)
         return msg
+
+    def _count(self, status: str) -> None:
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+        self.last_status = status
 
     def _restarted(self) -> None:
         """The server is a new process: requests parked at the old one are gone."""

@@ -121,6 +121,7 @@ class ReplayServer:
         self.lock = threading.Lock()  # guards the buffer against snapshot() from other threads
         self._writer: LogWriter | None = None  # writes the log on its own thread (replay/log.py)
         self._writing: dict[str, list[tuple[bytes, int]]] = {}  # group on its way to the log -> resends
+        self._acks: dict[bytes, list[tuple]] = {}  # peer -> (request id, status, group id) of pushes just logged
 
     def start(self) -> str:
         self._thread = threading.Thread(target=self._serve, name="replay-server", daemon=True)
@@ -192,11 +193,16 @@ class ReplayServer:
                     with self.lock:
                         for callback in self._writer.due():  # records on the log: acknowledge them
                             callback()
+                        self._send_acks(sock)
                         self._wake(sock)
                 if sock in events:
-                    frames = sock.recv_multipart(copy=False)  # group blobs stay in ZeroMQ's buffers
                     with self.lock:
-                        self._handle(sock, frames)
+                        for _ in range(64):  # what has arrived, then one look at parked requests
+                            try:  # group blobs stay in ZeroMQ's buffers
+                                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                            except zmq.Again:
+                                break
+                            self._handle(sock, frames)
                         self._wake(sock)
         except Exception as exc:  # noqa: BLE001 - kept, and raised by snapshot(), so the owner stops
             self._error = exc
@@ -274,12 +280,25 @@ class ReplayServer:
             self._reply(sock, peer, rid, "stats", stats={**self.buffer.snapshot(),
                                                           "credit_wait_s": self.credit_wait_s})
 
-    def _logged(self, sock, peer: bytes, rid: int, entry: Entry) -> None:
-        """A pushed group is on the log: store it, acknowledge it and any resends of it."""
+    def _logged(self, peer: bytes, rid: int, entry: Entry) -> None:
+        """A pushed group is on the log: store it; acknowledge it and any resends of it with
+        the others that the same write put on the log (`_send_acks`)."""
         self.buffer.commit(entry, len(entry.rewards))
-        self._reply(sock, peer, rid, "ack", group_id=entry.group_id, status="stored")
-        for resend_peer, resend_rid in self._writing.pop(entry.group_id, []):
-            self._reply(sock, resend_peer, resend_rid, "ack", group_id=entry.group_id, status="duplicate")
+        gid = entry.group_id
+        self._acks.setdefault(peer, []).append((rid, "stored", gid))
+        for resend_peer, resend_rid in self._writing.pop(gid, []):
+            self._acks.setdefault(resend_peer, []).append((resend_rid, "duplicate", gid))
+
+    def _send_acks(self, sock) -> None:
+        """One message per peer for the pushes that one log write stored: "ack" for one,
+        "acks" with [[request id, status], ...] in order for several."""
+        for peer, acks in self._acks.items():
+            if len(acks) == 1:
+                rid, status, gid = acks[0]
+                self._reply(sock, peer, rid, "ack", group_id=gid, status=status)
+            else:
+                self._reply(sock, peer, -1, "acks", acks=[[rid, status] for rid, status, _ in acks])
+        self._acks.clear()
 
     def _read(self, msg: dict, blobs: list) -> tuple:
         """(group, blob, arena reference, release) of a push, the group's header and lengths
@@ -287,14 +306,14 @@ class ReplayServer:
         if "shm" not in msg:
             if len(blobs) != 1:
                 raise WireError("push carries exactly one group")
-            return read_group(memoryview(blobs[0])), blobs[0], None, None
+            return read_group(memoryview(blobs[0]), trajectories=False), blobs[0], None, None
         if blobs:
             raise WireError("push carries a group or an arena reference, not both")
         ref = msg["shm"]
         view, fresh = self.arenas.acquire(ref)
         release = functools.partial(self.arenas.release, ref[0], ref[1]) if fresh else None
         try:
-            group = read_group(view)
+            group = read_group(view, trajectories=False)
         except WireError:
             if release is not None:
                 release()  # refused: the actor may reuse the extent
@@ -320,7 +339,7 @@ class ReplayServer:
             self._writing[gid] = []
             padded = self.arenas.view(entry.ref, padded=True) if entry.ref else None  # no copy
             self._writer.stored(gid, entry.blob, padded)
-            self._writer.after(functools.partial(self._logged, sock, peer, rid, entry))
+            self._writer.after(functools.partial(self._logged, peer, rid, entry))
         elif status == "duplicate" and gid in self._writing:
             self._writing[gid].append((peer, rid))  # a resend: acknowledged with the original
         else:

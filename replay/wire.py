@@ -87,6 +87,8 @@ class Group:
     _arrays: tuple | None = field(default=None, repr=False, compare=False)
     """Set by `read_group`: the whole group's arrays (tokens, versions, log-probs, mask) and where
     each trajectory starts, for `check_group`'s passes."""
+    _rewards: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """Set by `read_group`: the rewards, from the header."""
 
     @property
     def version(self) -> int:
@@ -95,6 +97,8 @@ class Group:
 
     @property
     def rewards(self) -> np.ndarray:
+        if self._rewards is not None:
+            return self._rewards
         return np.array([t.reward for t in self.trajectories], dtype=np.float32)
 
 
@@ -273,9 +277,11 @@ def decode_group(blob: Any, checked: bool = False) -> Group:
     return group if checked else check_group(group)
 
 
-def read_group(blob: Any) -> Group:
+def read_group(blob: Any, trajectories: bool = True) -> Group:
     """Decode a group blob, checking its header and every length (cheap: no pass over the
-    arrays); `check_group` does the rest."""
+    arrays); `check_group` does the rest. `trajectories=False` leaves the trajectory list empty:
+    replay's loop needs only the id, actor, rewards, arrays and version, not one object per
+    trajectory."""
     if not isinstance(blob, (bytes, bytearray, memoryview)) and not hasattr(blob, "buffer"):
         raise WireError("group: expected a group blob")
     header, payload = group_parts(getattr(blob, "buffer", blob))
@@ -309,11 +315,10 @@ def read_group(blob: Any) -> Group:
     tokens, versions, logprobs, mask = (arrays[k] for k in ("tokens", "versions", "logprobs", "mask"))
     starts = [0, *itertools.accumulate(lens[:-1])]
     trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f)
-             for s, k, r, t, f in zip(starts, lens, rewards, turns, finish)]
-    group = Group(gid, _get(header, "task", str, what)[:256], trajs,
-                  actor=str(header.get("actor", ""))[:128], meta=dict(meta))
-    group._arrays = (tokens, versions, logprobs, mask, starts)
-    return group
+             for s, k, r, t, f in zip(starts, lens, rewards, turns, finish)] if trajectories else []
+    return Group(gid, _get(header, "task", str, what)[:256], trajs, actor=str(header.get("actor", ""))[:128],
+                 meta=dict(meta), _arrays=(tokens, versions, logprobs, mask, starts),
+                 _rewards=np.array(rewards, dtype=np.float32))
 
 
 def check_group(group: Group) -> Group:
