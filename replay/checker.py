@@ -3,7 +3,10 @@
 Reading a group's header and lengths is cheap and stays on the loop; checking
 its arrays' values (`check_group`: a few numpy passes over every byte, which
 let go of the GIL) runs here, on a thread of its own, so the loop goes on
-answering other peers meanwhile, and a large group never stalls them.
+answering other peers meanwhile, and a large group never stalls them. With
+a log, it also takes the blob's log checksum (replay/log.py) right after
+those passes, while the bytes are still in this core's cache, rather than on
+the log's formatting thread, which would read them all from memory again.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import threading
 
 import zmq
 
+from replay.log import checksum
 from replay.wake import Waker
 from replay.wire import WireError, check_group
 
@@ -21,10 +25,12 @@ from replay.wire import WireError, check_group
 class Checker:
     """A thread that checks pushed groups' array values (`check_group`: numpy passes that let
     go of the GIL), so the server loop goes on answering meanwhile. Groups are checked in the
-    order they came; `done()` gives (push, error or None, context) for each, and `waker`
-    (replay/wake.py) says there are some."""
+    order they came; `done()` gives (push, error or None, context, the blob's log checksum or
+    None) for each, and `waker` (replay/wake.py) says there are some. `checksums`: take the log
+    checksum of every group that passes."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, checksums: bool = False) -> None:
+        self.checksums = checksums
         self.waker = Waker(ctx, "replay-checker")
         # Bounded: when checking falls behind, the server loop waits here and stops reading its
         # socket, so ZeroMQ's own limits push back on the senders. Nothing queues without bound.
@@ -34,7 +40,7 @@ class Checker:
         self._thread.start()
 
     def put(self, push: tuple, context) -> None:
-        """Check `push` = (group, ...) from `read_group` (waits while 64 are queued)."""
+        """Check `push` = (group, blob, ...) from `read_group` (waits while 64 are queued)."""
         self._queue.put((push, context), timeout=60)
 
     def done(self) -> list:
@@ -46,12 +52,14 @@ class Checker:
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             push, context = job
+            error = blob_sum = None
             try:
                 check_group(push[0])
-                error = None
+                if self.checksums:
+                    blob_sum = checksum(push[1])
             except WireError as exc:
                 error = exc
-            self._done.append((push, error, context))
+            self._done.append((push, error, context, blob_sum))
             self.waker.signal()
 
     def close(self) -> None:

@@ -92,10 +92,12 @@ def checksum(data, first: int = 0) -> int:
     return int((sums * keys).sum())
 
 
-def _digest(meta, raw) -> int:
-    """The checksum of a record: its raw bytes' blocks, then its lengths and meta's."""
+def _digest(meta, raw, raw_sum: int | None = None) -> int:
+    """The checksum of a record: its raw bytes' blocks (`raw_sum`, when the caller has it
+    already), then its lengths and meta's."""
     lengths = struct.pack("<II", len(meta), len(raw))  # so that a wrong length cannot pass for zero padding
-    return (checksum(raw) + checksum(lengths + meta, first=blocks(len(raw)) // BLOCK)) & 0xFFFF_FFFF_FFFF_FFFF
+    raw_sum = checksum(raw) if raw_sum is None else raw_sum
+    return (raw_sum + checksum(lengths + meta, first=blocks(len(raw)) // BLOCK)) & 0xFFFF_FFFF_FFFF_FFFF
 
 
 def _pwrite(fd: int, path: Path, parts: list, offset: int, scratch, spare: list) -> None:
@@ -258,16 +260,17 @@ class ReplayLog:
         self._scratch = self._spare.pop() if self._spare else mmap.mmap(-1, max(len(self._scratch), 8 << 20))
         self._used = 0
 
-    def _append(self, rec: dict, raw=b"", padded=None) -> None:
+    def _append(self, rec: dict, raw=b"", padded=None, raw_sum: int | None = None) -> None:
         """One record. `padded`, if given, is `raw` extended with zeros to whole blocks, in
-        page-aligned memory (an actor's arena extent): it is written as it is."""
+        page-aligned memory (an actor's arena extent): it is written as it is. `raw_sum`, if
+        given, is `checksum(raw)`."""
         meta = msgpack.packb(rec, use_bin_type=True)
         raw = memoryview(raw).cast("B")
         head_len, body_len = blocks(_HEAD.size + len(meta)), blocks(len(raw))
         in_place = padded is not None and len(padded) == body_len and _address(padded) % BLOCK == 0
         copy = self.direct and len(raw) > 0 and not in_place  # O_DIRECT needs aligned memory
         buf = self._buffer(head_len + (body_len if copy else 0))
-        _HEAD.pack_into(buf, 0, len(meta), len(raw), _digest(meta, raw))
+        _HEAD.pack_into(buf, 0, len(meta), len(raw), _digest(meta, raw, raw_sum))
         buf[_HEAD.size:_HEAD.size + len(meta)] = meta
         buf[_HEAD.size + len(meta):head_len] = bytes(head_len - _HEAD.size - len(meta))
         if copy:
@@ -290,10 +293,10 @@ class ReplayLog:
             self._io(functools.partial(os.fdatasync, self._fd))
             self._last_sync = now
 
-    def stored(self, group_id: str, blob, sync: bool = True, padded=None) -> None:
+    def stored(self, group_id: str, blob, sync: bool = True, padded=None, blob_sum: int | None = None) -> None:
         """Record a stored group; durable per the fsync policy when this returns (with `sync`;
-        otherwise once `sync()` has been called)."""
-        self._append({"k": "g", "id": group_id}, blob, padded)
+        otherwise once `sync()` has been called). `blob_sum`: `checksum(blob)`, if known."""
+        self._append({"k": "g", "id": group_id}, blob, padded, blob_sum)
         self._live[self._segment].add(group_id)
         self._where[group_id] = self._segment
         if sync:
@@ -361,8 +364,8 @@ class LogWriter:
     def recover(self):
         return self.log.recover()
 
-    def stored(self, group_id: str, blob, padded=None) -> None:
-        self._put(("g", group_id, blob, padded))
+    def stored(self, group_id: str, blob, padded=None, blob_sum: int | None = None) -> None:
+        self._put(("g", group_id, blob, padded, blob_sum))
 
     def consumed(self, group_ids: list[str]) -> None:
         self._put(("c", list(group_ids), None))
@@ -403,7 +406,7 @@ class LogWriter:
                         if item is None:
                             stop = True
                         elif item[0] == "g":
-                            self.log.stored(item[1], item[2], sync=False, padded=item[3])
+                            self.log.stored(item[1], item[2], sync=False, padded=item[3], blob_sum=item[4])
                         elif item[0] == "c":
                             self.log.consumed(item[1], sync=False)
                         else:

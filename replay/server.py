@@ -167,7 +167,7 @@ class ReplayServer:
             return
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        self._checker = Checker(ctx)
+        self._checker = Checker(ctx, checksums=self.buffer.log is not None)
         checked = self._checker.waker.listen()
         poller.register(checked, zmq.POLLIN)
         log_done = None
@@ -183,8 +183,8 @@ class ReplayServer:
                 if checked in events:
                     drain(checked)
                     with self.lock:
-                        for push, error, (peer, rid) in self._checker.done():
-                            self._checked(sock, push, error, peer, rid)
+                        for push, error, (peer, rid), blob_sum in self._checker.done():
+                            self._checked(sock, push, error, peer, rid, blob_sum)
                         self._wake(sock)
                 if log_done in events:
                     drain(log_done)
@@ -320,8 +320,10 @@ class ReplayServer:
             raise
         return group, view, list(ref), release
 
-    def _checked(self, sock, push: tuple, error: WireError | None, peer: bytes, rid: int) -> None:
-        """The checker thread is done with a pushed group: refuse it, or store it."""
+    def _checked(self, sock, push: tuple, error: WireError | None, peer: bytes, rid: int,
+                 blob_sum: int | None = None) -> None:
+        """The checker thread is done with a pushed group: refuse it, or store it (on the log,
+        with the blob's checksum the checker took)."""
         group, blob, ref, release = push
         if error is not None:
             if release is not None:
@@ -338,7 +340,7 @@ class ReplayServer:
         if status is None:  # acknowledged once it is on the log
             self._writing[gid] = []
             padded = self.arenas.view(entry.ref, padded=True) if entry.ref else None  # no copy
-            self._writer.stored(gid, entry.blob, padded)
+            self._writer.stored(gid, entry.blob, padded, blob_sum)
             self._writer.after(functools.partial(self._logged, peer, rid, entry))
         elif status == "duplicate" and gid in self._writing:
             self._writing[gid].append((peer, rid))  # a resend: acknowledged with the original

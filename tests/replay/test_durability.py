@@ -34,11 +34,13 @@ def start_replay(port: int, log_dir, fsync: str = "interval") -> subprocess.Pope
     return proc
 
 
-def test_sigkill_and_restart_loses_nothing_and_serves_nothing_twice(tmp_path):
+@pytest.mark.parametrize("path", ["shared memory", "socket"])
+def test_sigkill_and_restart_loses_nothing_and_serves_nothing_twice(tmp_path, path):
     port, log_dir = free_port(), tmp_path / "log"
     proc = start_replay(port, log_dir)
     endpoint = f"tcp://127.0.0.1:{port}"
-    actor = ZmqReplayClient(endpoint, actor="actor-0", key=KEY, timeout=5)
+    arena = (1 << 20) if path == "shared memory" else 0  # groups by reference, or as bytes
+    actor = ZmqReplayClient(endpoint, actor="actor-0", key=KEY, timeout=5, arena_bytes=arena)
     learner = ZmqReplayClient(endpoint, key=KEY, timeout=5, check_every=1.0)
     groups = [make_group(seed=i) for i in range(10)]
     assert [actor.push(g) for g in groups] == ["stored"] * 10
