@@ -1,12 +1,13 @@
-"""Checking pushed groups off the replay server loop.
+"""Reading pushed groups off the replay server loop.
 
-Reading a group's header and lengths is cheap and stays on the loop; checking
-its arrays' values (`check_group`: a few numpy passes over every byte, which
-let go of the GIL) runs here, on a thread of its own, so the loop goes on
-answering other peers meanwhile, and a large group never stalls them. With
-a log, it also takes the blob's log checksum (replay/log.py) right after
-those passes, while the bytes are still in this core's cache, rather than on
-the log's formatting thread, which would read them all from memory again.
+The loop only takes a push off the socket (its bytes, or a view of the actor's
+arena extent it names) and hands it here. This thread reads the group's header
+and lengths (`read_group`) and checks its arrays' values (`check_group`: a few
+numpy passes over every byte, which let go of the GIL), so the loop goes on
+answering other peers meanwhile, and a large group never stalls them. With a
+log, it also takes the blob's log checksum (replay/log.py) right after those
+passes, while the bytes are still in this core's cache, rather than on the
+log's formatting thread, which would read them all from memory again.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import zmq
 
 from replay.log import checksum
 from replay.wake import Waker
-from replay.wire import WireError, check_group
+from replay.wire import WireError, check_group, read_group
 
 
 class Checker:
-    """A thread that checks pushed groups' array values (`check_group`: numpy passes that let
-    go of the GIL), so the server loop goes on answering meanwhile. Groups are checked in the
-    order they came; `done()` gives (push, error or None, context, the blob's log checksum or
-    None) for each, and `waker` (replay/wake.py) says there are some. `checksums`: take the log
-    checksum of every group that passes."""
+    """A thread that reads and checks pushed groups, in the order they came. `put` takes a
+    push (blob, arena reference, release); `done()` gives ((group or None, blob, reference,
+    release), error or None, context, the blob's log checksum or None) for each, and `waker`
+    (replay/wake.py) says there are some. `checksums`: take the log checksum of every group
+    that passes."""
 
     def __init__(self, ctx: zmq.Context, checksums: bool = False) -> None:
         self.checksums = checksums
@@ -40,7 +41,7 @@ class Checker:
         self._thread.start()
 
     def put(self, push: tuple, context) -> None:
-        """Check `push` = (group, blob, ...) from `read_group` (waits while 64 are queued)."""
+        """Read and check `push` = (blob, reference, release) (waits while 64 are queued)."""
         self._queue.put((push, context), timeout=60)
 
     def done(self) -> list:
@@ -51,15 +52,15 @@ class Checker:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            push, context = job
-            error = blob_sum = None
+            (blob, ref, release), context = job
+            group = error = blob_sum = None
             try:
-                check_group(push[0])
+                group = check_group(read_group(blob, trajectories=False))
                 if self.checksums:
-                    blob_sum = checksum(push[1])
+                    blob_sum = checksum(blob)
             except WireError as exc:
                 error = exc
-            self._done.append((push, error, context, blob_sum))
+            self._done.append(((group, blob, ref, release), error, context, blob_sum))
             self.waker.signal()
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ from replay.buffer import Entry, ReplayBuffer
 from replay.checker import Checker
 from replay.log import LogWriter
 from replay.wake import drain
-from replay.wire import MAX_FRAME, WireError, pack_parts, read_group, unpack_parts
+from replay.wire import MAX_FRAME, WireError, pack_parts, unpack_parts
 
 REQUESTS = ("hello", "credit", "push", "sample", "ack", "stats", "ping")
 MAX_CREDITS = 4096
@@ -261,7 +261,7 @@ class ReplayServer:
             if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_CREDITS:
                 raise WireError(f"field 'n' must be an integer in [1, {MAX_CREDITS}]")
             self._credit_waiters.append([peer, rid, _str(msg, "actor"), time.monotonic(), n])
-        elif kind == "push":  # header and lengths now; the arrays' values on the checker thread
+        elif kind == "push":  # the group's header and values are read on the checker thread
             self._checker.put(self._read(msg, blobs), (peer, rid))
         elif kind == "sample":
             step, rank, version = (_int(msg, k) for k in ("step", "rank", "version"))
@@ -301,24 +301,18 @@ class ReplayServer:
         self._acks.clear()
 
     def _read(self, msg: dict, blobs: list) -> tuple:
-        """(group, blob, arena reference, release) of a push, the group's header and lengths
-        checked: its bytes in the message, or a reference into the actor's arena."""
+        """(blob, arena reference, release) of a push: its bytes in the message, or a view of
+        the extent that the reference names in the actor's arena (offsets checked)."""
         if "shm" not in msg:
             if len(blobs) != 1:
                 raise WireError("push carries exactly one group")
-            return read_group(memoryview(blobs[0]), trajectories=False), blobs[0], None, None
+            return blobs[0], None, None
         if blobs:
             raise WireError("push carries a group or an arena reference, not both")
         ref = msg["shm"]
         view, fresh = self.arenas.acquire(ref)
         release = functools.partial(self.arenas.release, ref[0], ref[1]) if fresh else None
-        try:
-            group = read_group(view, trajectories=False)
-        except WireError:
-            if release is not None:
-                release()  # refused: the actor may reuse the extent
-            raise
-        return group, view, list(ref), release
+        return view, list(ref), release
 
     def _checked(self, sock, push: tuple, error: WireError | None, peer: bytes, rid: int,
                  blob_sum: int | None = None) -> None:
