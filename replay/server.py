@@ -33,7 +33,7 @@ import zmq
 from replay.arena import ARENA_DIR, ArenaReader, host_id
 from replay.buffer import Entry, ReplayBuffer
 from replay.checker import Checker
-from replay.log import LogWriter
+from replay.log_writer import LogWriter
 from replay.wake import drain
 from replay.wire import MAX_FRAME, WireError, pack_parts, unpack_parts
 
@@ -119,7 +119,7 @@ class ReplayServer:
         self.credit_wait_s = 0.0
         self.lost_replies = 0
         self.lock = threading.Lock()  # guards the buffer against snapshot() from other threads
-        self._writer: LogWriter | None = None  # writes the log on its own thread (replay/log.py)
+        self._writer: LogWriter | None = None  # writes the log on its own threads (replay/log_writer.py)
         self._writing: dict[str, list[tuple[bytes, int]]] = {}  # group on its way to the log -> resends
         self._acks: dict[bytes, list[tuple]] = {}  # peer -> (request id, status, group id) of pushes just logged
 
