@@ -58,8 +58,8 @@ class Checker:
                 group = check_group(read_group(blob, trajectories=False))
                 if self.checksums:
                     blob_sum = checksum(blob)
-            except WireError as exc:
-                error = exc
+            except ValueError as exc:  # WireError, or numpy refusing what the header claims
+                error = exc if isinstance(exc, WireError) else WireError(f"group: {exc}")
             self._done.append(((group, blob, ref, release), error, context, blob_sum))
             self.waker.signal()
 

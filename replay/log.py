@@ -10,9 +10,9 @@ Layout: segment files `00000001.seg`, `00000002.seg`, ... Each starts with a
 4 KiB block holding the format's magic, then records, each starting on a 4 KiB
 boundary: a head `[u32 meta length][u32 raw length][u64 checksum][msgpack meta]`
 zero-padded to whole blocks, then the raw bytes (a stored group's blob, as it
-arrived) zero-padded to whole blocks. The checksum (`checksum`) runs over the raw bytes' blocks,
-then the meta's. A new
-segment starts when the current one passes `segment_bytes`. Segments are
+arrived) zero-padded to whole blocks. The checksum (`checksum`) runs over the
+raw bytes' blocks, then the lengths and the meta. A new segment starts when
+the current one passes `segment_bytes`. Segments are
 removed oldest first, once every group they hold is consumed: consumed markers
 only ever point backwards, so removing a prefix never forgets a marker that a
 live segment needs. A torn record at the end of the last segment (a crash
