@@ -88,7 +88,8 @@ class Group:
     """Set by `read_group`: the whole group's arrays (tokens, versions, log-probs, mask) and where
     each trajectory starts, for `check_group`'s passes."""
     _rewards: np.ndarray | None = field(default=None, repr=False, compare=False)
-    """Set by `read_group`: the rewards, from the header."""
+    """Set by `read_group(..., trajectories=False)`: the rewards, from the header (with
+    trajectories, `rewards` reads them, so that a changed trajectory reward is seen)."""
 
     @property
     def version(self) -> int:
@@ -279,9 +280,9 @@ def decode_group(blob: Any, checked: bool = False) -> Group:
 
 def read_group(blob: Any, trajectories: bool = True) -> Group:
     """Decode a group blob, checking its header and every length (cheap: no pass over the
-    arrays); `check_group` does the rest. `trajectories=False` leaves the trajectory list empty:
-    replay's loop needs only the id, actor, rewards, arrays and version, not one object per
-    trajectory."""
+    arrays); `check_group` does the rest. `trajectories=False` leaves the trajectory list empty
+    and takes the rewards from the header: the replay server needs only the id, actor, rewards,
+    arrays and version, not one object per trajectory."""
     if not isinstance(blob, (bytes, bytearray, memoryview)) and not hasattr(blob, "buffer"):
         raise WireError("group: expected a group blob")
     header, payload = group_parts(getattr(blob, "buffer", blob))
@@ -318,7 +319,7 @@ def read_group(blob: Any, trajectories: bool = True) -> Group:
              for s, k, r, t, f in zip(starts, lens, rewards, turns, finish)] if trajectories else []
     return Group(gid, _get(header, "task", str, what)[:256], trajs, actor=str(header.get("actor", ""))[:128],
                  meta=dict(meta), _arrays=(tokens, versions, logprobs, mask, starts),
-                 _rewards=np.array(rewards, dtype=np.float32))
+                 _rewards=None if trajectories else np.array(rewards, dtype=np.float32))
 
 
 def check_group(group: Group) -> Group:
