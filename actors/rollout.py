@@ -184,13 +184,20 @@ def close(ep: Episode) -> None:
 
 
 def evaluate(engine: Engine, chat, make_env: Callable[[], TextEnv], tasks: list[dict[str, Any]],
-             max_new_tokens: int, max_tokens: int, runner: EnvRunner | None = None) -> dict[str, float]:
-    """Greedy success rate (reward > 0) and mean reward over `tasks` (reset options)."""
+             max_new_tokens: int, max_tokens: int, runner: EnvRunner | None = None,
+             temperature: float = 0.0, samples: int = 1) -> dict[str, float]:
+    """Success rate (reward > 0) and mean reward over `tasks` (reset options): greedy by default;
+    with `temperature` > 0, each task is played `samples` times by the sampling policy and the
+    rates are over all those episodes."""
+    if samples < 1 or temperature < 0 or (samples > 1 and temperature == 0):
+        raise ValueError(f"evaluate: samples ≥ 1 (more than one only when sampling) and temperature ≥ 0, "
+                         f"got samples={samples}, temperature={temperature}")
     own = runner is None
     runner = runner or EnvRunner()
     try:
-        episodes = [start(make_env(), chat, runner, options=opts, version=engine.version) for opts in tasks]
-        play(engine, chat, episodes, SamplingParams(max_new_tokens, chat.stop_ids, temperature=0.0),
+        episodes = [start(make_env(), chat, runner, options=opts, version=engine.version)
+                    for opts in tasks for _ in range(samples)]
+        play(engine, chat, episodes, SamplingParams(max_new_tokens, chat.stop_ids, temperature=temperature),
              max_tokens, runner)
         for e in episodes:
             close(e)
@@ -198,5 +205,5 @@ def evaluate(engine: Engine, chat, make_env: Callable[[], TextEnv], tasks: list[
         if own:
             runner.close()
     rewards = np.array([e.reward for e in episodes])
-    return {"success_rate": float((rewards > 0).mean()), "reward_mean": float(rewards.mean()),
+    return {"success_rate": float((rewards > 0).mean()), "reward_mean": float(rewards.mean()), "episodes": len(episodes),
             "turns_mean": float(np.mean([e.turns for e in episodes]))}

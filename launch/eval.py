@@ -2,6 +2,8 @@
 
 Greedy success rate of a saved adapter on `episodes` tasks generated from seed
 S (S = the environment's evaluation seed, 64064 for the maze, gives maze-64).
+With --temperature T > 0 the sampling policy plays each task --samples times
+instead, and the rate is over all those episodes.
 The base model is the one the adapter was trained on (recorded in its
 adapter_config.json) unless --model says otherwise.
 """
@@ -28,6 +30,10 @@ class EvalArgs:
     """Seed of the task set (default: the environment's evaluation seed, i.e. maze-64)."""
     model: str | None = None
     """Base model (default: the one recorded in the adapter)."""
+    temperature: float = 0.0
+    """0: greedy. Above 0: the sampling policy at this temperature."""
+    samples: int = 1
+    """Episodes per task (above 1 only with --temperature above 0)."""
 
 
 def main(args: EvalArgs) -> dict:
@@ -49,9 +55,13 @@ def main(args: EvalArgs) -> dict:
     ev = Evaluator(cfg, model_path, seed=args.seed, episodes=args.episodes)
     if adapter is not None:
         ev.load(adapter.version, adapter.tensors)
-    result = ev.evaluate()
-    print(f"{args.episodes} episodes of {args.env} (seed {args.seed if args.seed is not None else 'eval'}): "
-          f"greedy success {result['success_rate']:.1%}")
+    try:
+        result = ev.evaluate(args.temperature, args.samples)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    how = f"sampled at temperature {args.temperature}, {args.samples} a task" if args.temperature else "greedy"
+    print(f"{args.episodes} tasks of {args.env} (seed {args.seed if args.seed is not None else 'eval'}), "
+          f"{result['episodes']} episodes: {how} success {result['success_rate']:.1%}")
     print(json.dumps(result))
     return result
 

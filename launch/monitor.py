@@ -37,11 +37,12 @@ class Evaluator:
     def load(self, version: int, tensors: dict) -> None:
         self.engine.load_adapter(version, tensors)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, temperature: float = 0.0, samples: int = 1) -> dict[str, float]:
+        """Greedy success by default; `temperature`, `samples`: see `actors.rollout.evaluate`."""
         from actors.rollout import evaluate
 
-        return evaluate(self.engine, self.chat, self.make_env, self.tasks,
-                        self.cfg.actor.max_new_tokens, self.cfg.actor.max_tokens)
+        return evaluate(self.engine, self.chat, self.make_env, self.tasks, self.cfg.actor.max_new_tokens,
+                        self.cfg.actor.max_tokens, temperature=temperature, samples=samples)
 
 
 class Board:

@@ -58,8 +58,10 @@ class LearnerConfig:
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (0 = off)."""
     is_cap: float = 2.0
-    """C of the corrections: tis and seq-tis clamp the weight π_old/μ at C, decoupled drops tokens
-    whose π_prox/μ exceeds C (--correction none turns correction off)."""
+    """C of tis and seq-tis: they clamp the weight π_old/μ at C (--correction none turns
+    correction off)."""
+    drop_cap: float = 5.0
+    """decoupled drops tokens whose π_prox/μ exceeds this (AReaL's behav_imp_weight_cap)."""
     geo_bound: float = 1.1
     """geo-mask keeps a trajectory when the geometric mean of π_old/μ over its tokens is in
     [1/geo_bound, geo_bound]."""
@@ -122,9 +124,9 @@ class LearnerConfig:
             raise ValueError("--learner.clip-low must be in [0, 1) and --learner.clip-high ≥ 0")
         if self.dual_clip != 0 and self.dual_clip <= 1:
             raise ValueError(f"--learner.dual-clip must be 0 (off) or above 1, got {self.dual_clip}")
-        if self.is_cap <= 0:
-            raise ValueError(f"--learner.is-cap must be positive, got {self.is_cap}; "
-                             "use --correction none to turn the correction off")
+        if self.is_cap <= 0 or self.drop_cap <= 1:
+            raise ValueError(f"--learner.is-cap must be positive and --learner.drop-cap above 1, got "
+                             f"{self.is_cap} and {self.drop_cap}; use --correction none to turn the correction off")
         if self.geo_bound <= 1:
             raise ValueError(f"--learner.geo-bound must be above 1, got {self.geo_bound}")
         if self.micro_batch < 1:

@@ -186,7 +186,7 @@ class Correction:
 
 
 def correct(correction: str, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
-            mask: torch.Tensor, cap: float = 2.0, geo_bound: float = 1.1) -> Correction:
+            mask: torch.Tensor, cap: float = 2.0, geo_bound: float = 1.1, drop_cap: float = 5.0) -> Correction:
     """Anchor, weights and mask for the gap between μ (behaviour) and π_old (start of step).
 
     With log w_t = log π_old(a_t) − log μ(a_t) on action tokens:
@@ -195,8 +195,13 @@ def correct(correction: str, old_logprobs: torch.Tensor, behaviour_logprobs: tor
         seq-tis    anchor π_old, w_b = min(exp(Σ_t log w_t), C) on every token of b
         geo-mask   anchor π_old, w = 1, sequence b kept only if its geometric mean
                    ratio exp(mean_t log w_t) lies in [1/geo_bound, geo_bound]
-        decoupled  anchor π_prox = π_old, w_t = exp(log w_t), tokens with w_t > C dropped
+        decoupled  anchor π_prox = π_old, w_t = exp(log w_t), tokens with w_t > drop_cap dropped
                    (AReaL, Fu et al. 2025; the filter of its behav_imp_weight_cap)
+
+    C (`cap`) = 2 is the truncation of Yao et al.; `drop_cap` = 5 is the cap AReaL's shipped
+    configurations use. A dropped token loses its gradient both ways, so a cap as tight as 2
+    also keeps the learner from pushing down what it has come to prefer since μ when the
+    episode failed: in `bench.staleness` at η = 8 it cost decoupled 30 points.
     """
     mask = mask.float()
     old, mu = old_logprobs.detach(), behaviour_logprobs.detach()
@@ -215,7 +220,7 @@ def correct(correction: str, old_logprobs: torch.Tensor, behaviour_logprobs: tor
         return Correction(old, ones, mask * keep)
     if correction == "decoupled":
         w = torch.exp(log_w)
-        keep = (w <= cap).float()
+        keep = (w <= drop_cap).float()
         return Correction(old, w * keep, mask * keep)
     raise ValueError(f"unknown --correction {correction!r}; choose one of {CORRECTIONS}")
 

@@ -267,7 +267,7 @@ class Learner:
                 logits = self._policy_logits(tokens, attention)
                 logp = token_logprobs(logits, tokens, self.temperature)  # [b, T]
                 old_lp = old[rows, :width].to(self.device) if old is not None else logp.detach()
-                corr = correct(self.correction, old_lp, mu, mask, cfg.is_cap, cfg.geo_bound)
+                corr = correct(self.correction, old_lp, mu, mask, cfg.is_cap, cfg.geo_bound, cfg.drop_cap)
                 adv = advantages[rows].to(self.device) if not ppo else advantages[rows, :width].to(self.device)
                 loss, m = policy_loss(logp, corr, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
                                       cfg.aggregation, cfg.norm_length)

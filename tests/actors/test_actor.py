@@ -3,6 +3,7 @@
 import threading
 import time
 
+import pytest
 import torch
 
 from actors.actor import Actor, ActorConfig
@@ -107,3 +108,26 @@ def test_actor_applies_new_adapters_between_turns_and_records_versions(tiny_mode
     versions = {int(v) for g in groups for t in g.trajectories for v in t.versions[t.mask == 1]}
     assert len(versions) > 1 and max(versions) > 0, "the actor never applied a new adapter"
     assert actor.stats()["adapters_applied"] >= 1
+
+
+def test_evaluation_greedy_or_sampled_k_times_a_task_with_common_random_numbers(tiny_model, chat):
+    from actors.rollout import evaluate
+
+    env = make_env("maze")
+    tasks = env.eval_tasks(env.eval_seed, 3)
+
+    def run(**kw):
+        engine = TorchEngine(tiny_model, LORA, seed=5)
+        try:
+            return evaluate(engine, chat, lambda: make_env("maze"), tasks, 4, 512, **kw)
+        finally:
+            engine.close()
+
+    greedy = run()
+    assert greedy["episodes"] == 3 and run() == greedy
+    sampled = run(temperature=1.0, samples=4)
+    assert sampled["episodes"] == 12
+    assert run(temperature=1.0, samples=4) == sampled  # a fresh engine with the same seed plays the same episodes
+    for bad in ({"samples": 0}, {"samples": 2}, {"temperature": -1.0}):  # several greedy plays are one play
+        with pytest.raises(ValueError, match="samples"):
+            run(**bad)

@@ -39,6 +39,13 @@ def test_async_run_with_six_actors_and_two_learners(tmp_path):
                          "--seed", "7"], capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert 0.0 <= json.loads(ev.stdout.strip().splitlines()[-1])["success_rate"] <= 1.0
+    sampled = subprocess.run([sys.executable, "-m", "launch.eval", str(logdir / "adapter"), "--episodes", "4",
+                              "--temperature", "1.0", "--samples", "2"], capture_output=True, text=True, timeout=300)
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    assert json.loads(sampled.stdout.strip().splitlines()[-1])["episodes"] == 8  # 4 tasks, 2 plays each
+    greedy_twice = subprocess.run([sys.executable, "-m", "launch.eval", str(logdir / "adapter"), "--samples", "2"],
+                                  capture_output=True, text=True, timeout=300)
+    assert greedy_twice.returncode != 0 and "error: evaluate: samples" in greedy_twice.stderr
 
 
 def test_colocated_run_is_strictly_on_policy(tmp_path):

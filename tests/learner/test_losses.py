@@ -186,13 +186,21 @@ def test_geometric_mean_mask_drops_whole_sequences():
 
 
 def test_decoupled_drops_tokens_over_the_cap_instead_of_clamping():
-    c = correct("decoupled", OLD, MU, MASK, cap=2.0)
+    c = correct("decoupled", OLD, MU, MASK, cap=100.0, drop_cap=2.0)  # cap is tis's, not decoupled's
     close(c.old_logprobs, OLD)
     # w = [[5 -> dropped (weight 0), 1.25, 1], [1, 0.5, 1]]
     close(c.is_weight, torch.tensor([[0.0, 1.25, 1.0], [1.0, 0.5, 1.0]]))
     close(c.mask, torch.tensor([[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]]))
     with pytest.raises(ValueError, match="--correction"):
         correct("vtrace", OLD, MU, MASK)
+
+
+def test_decoupled_keeps_weights_up_to_its_own_cap_of_five_by_default():
+    mu = torch.log(torch.tensor([[0.125, 0.0625]]))
+    c = correct("decoupled", torch.log(torch.tensor([[0.5, 0.5]])), mu, torch.ones(1, 2))
+    # w = [0.5 / 0.125 = 4 (kept: 4 <= 5), 0.5 / 0.0625 = 8 (dropped: 8 > 5)]
+    close(c.is_weight, torch.tensor([[4.0, 0.0]]))
+    close(c.mask, torch.tensor([[1.0, 0.0]]))
 
 
 # -- policy loss -----------------------------------------------------------------------
@@ -259,7 +267,7 @@ def test_decoupled_loss_against_a_moved_policy():
     prox = torch.log(torch.tensor([[0.5, 0.5]]))
     mu = torch.log(torch.tensor([[0.2, 0.4]]))
     new = torch.log(torch.tensor([[0.9, 0.7]]))   # ratio to π_prox = [1.8, 1.4]
-    loss, m = policy_loss(new, correct("decoupled", prox, mu, torch.ones(1, 2), cap=2.0), torch.tensor([1.0]),
+    loss, m = policy_loss(new, correct("decoupled", prox, mu, torch.ones(1, 2), drop_cap=2.0), torch.tensor([1.0]),
                           clip_low=0.2, clip_high=0.2)
     # only token 2 remains: min(1.4, 1.2)·1 · 1.25 = 1.5 -> loss = -1.5 / 1 token
     assert float(loss) == pytest.approx(-1.5, abs=1e-6)
