@@ -58,10 +58,10 @@ class LearnerConfig:
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (0 = off)."""
     is_cap: float = 2.0
-    """C of tis and seq-tis: they clamp the weight π_old/μ at C (--correction none turns
-    correction off)."""
+    """C of tis, seq-tis and decoupled: they clamp the weight π_old/μ at C (--correction none
+    turns correction off)."""
     drop_cap: float = 5.0
-    """decoupled drops tokens whose π_prox/μ exceeds this (AReaL's behav_imp_weight_cap)."""
+    """decoupled also drops tokens whose π_prox/μ exceeds this (AReaL's behav_imp_weight_cap)."""
     geo_bound: float = 1.1
     """geo-mask keeps a trajectory when the geometric mean of π_old/μ over its tokens is in
     [1/geo_bound, geo_bound]."""

@@ -195,13 +195,14 @@ def correct(correction: str, old_logprobs: torch.Tensor, behaviour_logprobs: tor
         seq-tis    anchor π_old, w_b = min(exp(Σ_t log w_t), C) on every token of b
         geo-mask   anchor π_old, w = 1, sequence b kept only if its geometric mean
                    ratio exp(mean_t log w_t) lies in [1/geo_bound, geo_bound]
-        decoupled  anchor π_prox = π_old, w_t = exp(log w_t), tokens with w_t > drop_cap dropped
-                   (AReaL, Fu et al. 2025; the filter of its behav_imp_weight_cap)
+        decoupled  anchor π_prox = π_old, w_t = min(exp(log w_t), C), tokens with
+                   exp(log w_t) > drop_cap dropped (AReaL, Fu et al. 2025: the filter of
+                   its behav_imp_weight_cap, on top of the truncated weight)
 
-    C (`cap`) = 2 is the truncation of Yao et al.; `drop_cap` = 5 is the cap AReaL's shipped
-    configurations use. A dropped token loses its gradient both ways, so a cap as tight as 2
-    also keeps the learner from pushing down what it has come to prefer since μ when the
-    episode failed: in `bench.staleness` at η = 8 it cost decoupled 30 points.
+    C (`cap`) = 2 is the truncation of Yao et al.; `drop_cap` = 5 is the filter AReaL's
+    configurations use. A dropped token loses its gradient both ways, so a filter as tight as
+    2 also keeps the learner from pushing down what it has come to prefer since μ when the
+    episode failed (README, "Staleness": at η = 8 it cost decoupled 30 points in one run).
     """
     mask = mask.float()
     old, mu = old_logprobs.detach(), behaviour_logprobs.detach()
@@ -221,7 +222,7 @@ def correct(correction: str, old_logprobs: torch.Tensor, behaviour_logprobs: tor
     if correction == "decoupled":
         w = torch.exp(log_w)
         keep = (w <= drop_cap).float()
-        return Correction(old, w * keep, mask * keep)
+        return Correction(old, w.clamp(max=cap) * keep, mask * keep)
     raise ValueError(f"unknown --correction {correction!r}; choose one of {CORRECTIONS}")
 
 

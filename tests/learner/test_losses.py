@@ -195,12 +195,13 @@ def test_decoupled_drops_tokens_over_the_cap_instead_of_clamping():
         correct("vtrace", OLD, MU, MASK)
 
 
-def test_decoupled_keeps_weights_up_to_its_own_cap_of_five_by_default():
-    mu = torch.log(torch.tensor([[0.125, 0.0625]]))
-    c = correct("decoupled", torch.log(torch.tensor([[0.5, 0.5]])), mu, torch.ones(1, 2))
-    # w = [0.5 / 0.125 = 4 (kept: 4 <= 5), 0.5 / 0.0625 = 8 (dropped: 8 > 5)]
-    close(c.is_weight, torch.tensor([[4.0, 0.0]]))
-    close(c.mask, torch.tensor([[1.0, 0.0]]))
+def test_decoupled_truncates_at_c_and_drops_over_its_filter_of_five_by_default():
+    mu = torch.log(torch.tensor([[0.125, 0.0625, 0.625]]))
+    c = correct("decoupled", torch.log(torch.tensor([[0.5, 0.5, 0.5]])), mu, torch.ones(1, 3))
+    # w = [0.5 / 0.125 = 4 (kept: 4 <= 5, truncated at C = 2), 0.5 / 0.0625 = 8 (dropped: 8 > 5),
+    #      0.5 / 0.625 = 0.8 (kept as is)]
+    close(c.is_weight, torch.tensor([[2.0, 0.0, 0.8]]))
+    close(c.mask, torch.tensor([[1.0, 0.0, 1.0]]))
 
 
 # -- policy loss -----------------------------------------------------------------------
