@@ -205,5 +205,5 @@ def evaluate(engine: Engine, chat, make_env: Callable[[], TextEnv], tasks: list[
         if own:
             runner.close()
     rewards = np.array([e.reward for e in episodes])
-    return {"success_rate": float((rewards > 0).mean()), "reward_mean": float(rewards.mean()), "episodes": len(episodes),
-            "turns_mean": float(np.mean([e.turns for e in episodes]))}
+    return {"success_rate": float((rewards > 0).mean()), "reward_mean": float(rewards.mean()),
+            "turns_mean": float(np.mean([e.turns for e in episodes])), "episodes": len(episodes)}

@@ -185,8 +185,8 @@ def test_geometric_mean_mask_drops_whole_sequences():
     assert float(c.mask.sum()) == 0
 
 
-def test_decoupled_drops_tokens_over_the_cap_instead_of_clamping():
-    c = correct("decoupled", OLD, MU, MASK, cap=100.0, drop_cap=2.0)  # cap is tis's, not decoupled's
+def test_decoupled_drops_tokens_over_its_filter():
+    c = correct("decoupled", OLD, MU, MASK, cap=100.0, drop_cap=2.0)  # C too high to truncate here
     close(c.old_logprobs, OLD)
     # w = [[5 -> dropped (weight 0), 1.25, 1], [1, 0.5, 1]]
     close(c.is_weight, torch.tensor([[0.0, 1.25, 1.0], [1.0, 0.5, 1.0]]))
