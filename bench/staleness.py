@@ -1,18 +1,21 @@
 """`python -m bench.staleness`: does asynchronous training stay as good as on-policy training?
 
 Maze runs at staleness η ∈ {0, 2, 8} × correction ∈ {none, tis, decoupled}, from the
-same warm start, with the same seed and the same budget of optimizer steps; each
-ends with a maze-64 evaluation of its final adapter. The last line is one JSON
-object {"eta{η}_{correction}": final maze-64 success}.
+same warm start, with the same seeds and the same budget of optimizer steps; each
+ends with a maze-64 evaluation of its final adapter. Every cell runs once per seed
+(`--seeds`, the same for every cell), and its figure is the mean over them: one RL
+run is one draw, and runs of the same objective land a few points apart. The last
+line is one JSON object {"eta{η}_{correction}": final maze-64 success, the mean
+over the seeds}.
 
 The success is that of the policy being trained: the sampling policy at the
-actors' temperature plays each of the 64 mazes `--eval-samples` times (32: 2,048
-episodes, so the evaluation itself is good to about ±1 point), with the same
-sampler seed for every run. The greedy maze-64 success (the figure a training
-run reports) is in the table too, but it is a poor ruler for a few points: each
-maze is solved or not, and a small change of the policy flips whole mazes, so
-runs of the same objective land 10 points apart. The sampled success moves
-smoothly with the policy.
+actors' temperature plays each of the 64 mazes `--eval-samples` times (16: 1,024
+episodes, so one evaluation is good to about ±1.5 points, and a cell's mean over
+two seeds to about ±1), with the same sampler seed for every run. The greedy
+maze-64 success (the figure a training run reports) is in the table too, but it
+is a poor ruler for a few points: each maze is solved or not, and a small change
+of the policy flips whole mazes, so runs of the same objective land 10 points
+apart. The sampled success moves smoothly with the policy.
 
 Staleness is controlled, not left to the race between actors and learner: every
 run is one process driving the real parts in lockstep (an `Actor` with the torch
@@ -47,9 +50,9 @@ class Args:
     """Groups (tasks) per step; each group is --group-size episodes of one maze."""
     group_size: int = 8
     """Episodes per group (G)."""
-    lr: float = 5e-4
-    """Learning rate (a third of the default run's 1.5e-3: four updates a step move about as far
-    as its one)."""
+    lr: float = 2.5e-4
+    """Learning rate (a sixth of the default run's 1.5e-3, with four updates a step: each step
+    moves the policy little, so that a batch η steps old still overlaps it)."""
     mini_batches: int = 4
     """Optimizer updates per step (--learner.mini-batches). Above 1, π_old gets its own forward
     pass and the PPO clip keeps a trust region around it for the corrected objectives; with 1,
@@ -58,10 +61,11 @@ class Args:
     """The truncation C of tis and decoupled (--learner.is-cap)."""
     drop_cap: float = 5.0
     """decoupled drops tokens whose π_prox/μ exceeds this (--learner.drop-cap)."""
-    eval_samples: int = 32
+    eval_samples: int = 16
     """Episodes per maze-64 maze for the sampled evaluation (at the actors' temperature)."""
-    seed: int = 0
-    """One seed for every run: the same mazes, sampler seeds and adapter initialisation."""
+    seeds: tuple[int, ...] = (0, 1)
+    """Seeds each cell runs with (the same for every cell: the same mazes, sampler seeds and adapter
+    initialisation); a cell's figure is the mean over them."""
     jobs: int = 2
     """Runs at a time, each in its own single-threaded process."""
 
@@ -120,7 +124,7 @@ class _Weights:
         return self.current
 
 
-def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
+def run_one(eta: int, correction: str, seed: int, args: Args, model_path: str) -> dict:
     """One training run in this process; returns its final evaluation and step metrics."""
     import socket
 
@@ -137,8 +141,8 @@ def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
     from replay.weights import Adapter
 
     torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    cfg = Config(actors=1, learners=1, max_staleness=eta, correction=correction, seed=args.seed)
+    torch.manual_seed(seed)
+    cfg = Config(actors=1, learners=1, max_staleness=eta, correction=correction, seed=seed)
     cfg.learner = LearnerConfig(lr=args.lr, groups_per_step=args.groups_per_step, mini_batches=args.mini_batches,
                                 is_cap=args.is_cap, drop_cap=args.drop_cap)
     cfg.actor.group_size, cfg.actor.groups_in_flight = args.group_size, args.groups_per_step
@@ -148,10 +152,10 @@ def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
     feed, weights = _Feed(), _Weights()
     learner = Learner(cfg.learner, model_path, 0, 1, url, feed, temperature=cfg.actor.temperature,
                       algo=cfg.algo, correction=correction)
-    engine = make_engine("torch", model_path, cfg.learner.lora, seed=args.seed)
+    engine = make_engine("torch", model_path, cfg.learner.lora, seed=seed)
     kwargs = cfg.env_kwargs()
     actor = Actor(cfg.actor, "bench", engine, Chat(load_tokenizer(model_path)), lambda: make_env(cfg.env, **kwargs),
-                  feed, weights, seed=args.seed)
+                  feed, weights, seed=seed)
     t0 = time.time()
     try:
         learner.setup()
@@ -167,7 +171,7 @@ def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
             adapters[k + 1] = Adapter(k + 1, model_path, lora, learner._adapter_tensors())
             adapters.pop(k + 1 - eta - 1, None)  # no batch will be generated by it again
             history.append(m)
-            print(f"  eta={eta} {correction}: step {k + 1}/{args.steps} reward {m['reward_mean']:.2f} "
+            print(f"  eta={eta} {correction} seed {seed}: step {k + 1}/{args.steps} reward {m['reward_mean']:.2f} "
                   f"staleness {m['staleness_mean']:.0f} is_w {m['is_weight_mean']:.2f} "
                   f"clip {m['clip_fraction']:.3f} masked {m['masked_fraction']:.3f} "
                   f"mismatch_kl {m['mismatch_kl']:.4f} entropy {m['entropy']:.3f} train {m['train_s']:.0f}s "
@@ -181,7 +185,7 @@ def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
         learner.close()
         engine.close()
     tail = history[-max(1, args.steps // 4):]  # the last quarter of the run
-    return {"eta": eta, "correction": correction, "success": final, "greedy": greedy, "train_s": train_s,
+    return {"eta": eta, "correction": correction, "seed": seed, "success": final, "greedy": greedy, "train_s": train_s,
             "reward_last": sum(m["reward_mean"] for m in tail) / len(tail),
             "staleness_mean": sum(m["staleness_mean"] for m in history) / len(history),
             "clip_fraction": sum(m["clip_fraction"] for m in history) / len(history),
@@ -189,15 +193,20 @@ def run_one(eta: int, correction: str, args: Args, model_path: str) -> dict:
             "mismatch_kl": sum(m["mismatch_kl"] for m in history) / len(history)}
 
 
-def _worker(eta: int, correction: str, args: Args, model_path: str, out) -> None:
+def _worker(eta: int, correction: str, seed: int, args: Args, model_path: str, out) -> None:
     import os
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        out.put(run_one(eta, correction, args, model_path))
+        out.put(run_one(eta, correction, seed, args, model_path))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the bench
-        out.put({"eta": eta, "correction": correction, "error": repr(exc)})
+        out.put({"eta": eta, "correction": correction, "seed": seed, "error": repr(exc)})
         raise
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 def main(args: Args) -> int:
@@ -209,49 +218,57 @@ def main(args: Args) -> int:
     for c in args.corrections:
         if c not in CORRECTIONS:
             raise SystemExit(f"error: unknown correction {c!r} in --corrections; choose from {CORRECTIONS}")
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds):
+        raise SystemExit(f"error: --seeds needs at least one seed and no repeats, got {args.seeds}")
     model_path = ensure_warmstart(log=lambda m: print(m, file=sys.stderr, flush=True))
-    runs = [(eta, c) for eta in args.etas for c in args.corrections]
-    print(f"staleness bench: {len(runs)} runs × {args.steps} steps of {args.groups_per_step}×{args.group_size} "
-          f"episodes, lr {args.lr}, {args.mini_batches} mini-batch(es) a step, tis cap {args.is_cap}, "
-          f"decoupled drop cap {args.drop_cap}, seed {args.seed}, "
-          f"{args.jobs} at a time", flush=True)
+    cells = [(eta, c) for eta in args.etas for c in args.corrections]
+    runs = [(eta, c, seed) for seed in args.seeds for eta, c in cells]
+    print(f"staleness bench: {len(cells)} cells × {len(args.seeds)} seed(s) {list(args.seeds)} × {args.steps} steps "
+          f"of {args.groups_per_step}×{args.group_size} episodes, lr {args.lr}, {args.mini_batches} mini-batch(es) "
+          f"a step, tis cap {args.is_cap}, decoupled drop cap {args.drop_cap}, {args.jobs} at a time", flush=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     results, pending, live = {}, list(runs), {}
     t0 = time.time()
     while pending or live:
         while pending and len(live) < args.jobs:
-            eta, c = pending.pop(0)
-            live[(eta, c)] = ctx.Process(target=_worker, args=(eta, c, args, model_path, out))
-            live[(eta, c)].start()
+            run = pending.pop(0)
+            live[run] = ctx.Process(target=_worker, args=(*run, args, model_path, out))
+            live[run].start()
         r = out.get()
         if "error" in r:
             for p in live.values():
                 p.kill()
-            raise SystemExit(f"run eta={r['eta']} {r['correction']} failed: {r['error']}")
-        results[(r["eta"], r["correction"])] = r
-        print(f"[{time.time() - t0:.0f}s] eta={r['eta']} {r['correction']}: maze-64 {r['success']:.1%} "
-              f"(greedy {r['greedy']:.1%}, train {r['train_s']:.0f}s)", flush=True)
-        live.pop((r["eta"], r["correction"])).join(60)
+            raise SystemExit(f"run eta={r['eta']} {r['correction']} seed {r['seed']} failed: {r['error']}")
+        run = (r["eta"], r["correction"], r["seed"])
+        results[run] = r
+        print(f"[{time.time() - t0:.0f}s] eta={r['eta']} {r['correction']} seed {r['seed']}: maze-64 "
+              f"{r['success']:.1%} (greedy {r['greedy']:.1%}, train {r['train_s']:.0f}s)", flush=True)
+        live.pop(run).join(60)
     print()
+    cell = {(eta, c): [results[(eta, c, seed)] for seed in args.seeds] for eta, c in cells}
+    success = {key: _mean(r["success"] for r in rs) for key, rs in cell.items()}
     # At η = 0 every correction is the same objective (π_old = μ up to numerics, weights 1), so
     # the mean of those runs is the on-policy reference and their spread the noise of one run.
-    base = [results[(0, c)]["success"] for c in args.corrections] if 0 in args.etas else []
-    reference = sum(base) / len(base) if base else None
+    base = [r["success"] for c in args.corrections for r in cell[(0, c)]] if 0 in args.etas else []
+    reference = _mean(base) if base else None
     if base:
         print(f"η = 0 reference: {100 * reference:.1f}% (the mean of {len(base)} runs, "
               f"{100 * min(base):.1f}–{100 * max(base):.1f}%)")
-    print(f"| η | correction | maze-64 (final, {args.eval_samples} samples a maze) | Δ vs η = 0 "
-          "| maze-64 greedy | reward (last quarter) | mean staleness | clip frac | masked frac | mismatch KL |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for eta, c in runs:
-        r = results[(eta, c)]
-        delta = f"{100 * (r['success'] - reference):+.1f}" if reference is not None else "-"
-        print(f"| {eta} | {c} | {r['success']:.1%} | {delta} | {r['greedy']:.1%} | {r['reward_last']:.2f} | "
-              f"{r['staleness_mean']:.1f} | "
-              f"{r['clip_fraction']:.3f} | {r['masked_fraction']:.3f} | {r['mismatch_kl']:.4f} |")
+    print(f"| η | correction | maze-64 (final, {args.eval_samples} samples a maze; mean of {len(args.seeds)} seeds) "
+          "| per seed | Δ vs η = 0 | maze-64 greedy | reward (last quarter) | mean staleness | clip frac "
+          "| masked frac | mismatch KL |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for key in cells:
+        rs, (eta, c) = cell[key], key
+        delta = f"{100 * (success[key] - reference):+.1f}" if reference is not None else "-"
+        per_seed = " / ".join(f"{r['success']:.1%}" for r in rs)
+        print(f"| {eta} | {c} | {success[key]:.1%} | {per_seed} | {delta} | {_mean(r['greedy'] for r in rs):.1%} | "
+              + " | ".join(f"{_mean(r[m] for r in rs):.{d}f}" for m, d in
+                           [("reward_last", 2), ("staleness_mean", 1), ("clip_fraction", 3),
+                            ("masked_fraction", 3), ("mismatch_kl", 4)]) + " |")
     print(f"total {time.time() - t0:.0f}s")
-    print(json.dumps({f"eta{eta}_{c}": round(results[(eta, c)]["success"], 4) for eta, c in runs}), flush=True)
+    print(json.dumps({f"eta{eta}_{c}": round(success[(eta, c)], 4) for eta, c in cells}), flush=True)
     return 0
 
 
