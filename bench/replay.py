@@ -38,8 +38,16 @@ class Args:
     """Groups per learner step."""
     fsync: str = "interval"
     """fsync policy of the durable run."""
-    arena_mb: int = 64
-    """Each actor's shared-memory arena (the same-host path; the socket runs use none)."""
+    arena_mb: int = 128
+    """Each actor's shared-memory arena (the same-host path; the socket runs use none): room for
+    `window` groups and some."""
+    capacity: int = 256
+    """The replay's capacity in groups (its default is 4,096; smaller here, so that it binds)."""
+    window: int = 128
+    """Pushes each actor keeps awaiting acknowledgement. With the log, a push is acknowledged once
+    a log write has it, so the pipeline must hold a few writes' worth of groups."""
+    ahead: int = 64
+    """Credits each actor asks for ahead of the groups it has started."""
     repeats: int = 3
     """Runs of every path, interleaved; the table shows medians."""
 
@@ -58,11 +66,10 @@ def make_group(args: Args, rng):
 def _actor(args: Args, endpoint: str, name: str, stop, arena_mb: int) -> None:
     from replay.client import ZmqReplayClient
 
-    client = ZmqReplayClient(endpoint, actor=name, arena_bytes=arena_mb << 20, window=64)
+    client = ZmqReplayClient(endpoint, actor=name, arena_bytes=arena_mb << 20, window=args.window)
     client.hello()
     group = make_group(args, np.random.default_rng(0))
-    window = 32  # groups started and not yet pushed, per actor (credits asked for ahead)
-    for _ in range(window):
+    for _ in range(args.ahead):  # groups started and not yet pushed
         client.request_credit()
     while not stop.is_set():
         for _ in client.credits(timeout=0.2):
@@ -79,7 +86,8 @@ def _server(args: Args, log_dir, ready, stop) -> None:
     from replay.server import ReplayServer
 
     log = ReplayLog(log_dir, fsync=args.fsync) if log_dir else None
-    server = ReplayServer(ReplayBuffer(args.batch, max_staleness=1 << 30, capacity_groups=128, log=log),
+    server = ReplayServer(ReplayBuffer(args.batch, max_staleness=1 << 30, capacity_groups=args.capacity,
+                                       log=log),
                           "tcp://127.0.0.1:*")
     ready.put(server.start())
     stop.wait()
@@ -179,7 +187,8 @@ def main(args: Args) -> dict:
     raw = float(np.median(raws))
     median = {name: (float(np.median([r for r, _ in runs])), min(f for _, f in runs)) for name, runs in rates.items()}
     print(f"group: {args.group_size} trajectories x {args.tokens} tokens (~{size / 1024:.0f} KiB), "
-          f"{args.actors} pushing processes, {args.groups} groups per run, fsync={args.fsync} with the log; "
+          f"{args.actors} pushing processes (each {args.window} pushes awaiting acks, {args.ahead} credits ahead), "
+          f"capacity {args.capacity}, {args.groups} groups per run, fsync={args.fsync} with the log; "
           f"median of {args.repeats} interleaved runs")
     print(f"{'path':<36}{'groups/s':>10}{'MB/s':>9}{'ratio':>8}{'via shm':>9}   runs (groups/s)")
     for name, (rate, shm) in [("bare ZeroMQ PUSH/PULL", (raw, 0.0)), *median.items()]:
