@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from statistics import fmean
 
 
 @dataclass
@@ -204,11 +205,6 @@ def _worker(eta: int, correction: str, seed: int, args: Args, model_path: str, o
         raise
 
 
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
-
-
 def main(args: Args) -> int:
     import multiprocessing as mp
 
@@ -247,11 +243,11 @@ def main(args: Args) -> int:
         live.pop(run).join(60)
     print()
     cell = {(eta, c): [results[(eta, c, seed)] for seed in args.seeds] for eta, c in cells}
-    success = {key: _mean(r["success"] for r in rs) for key, rs in cell.items()}
+    success = {key: fmean(r["success"] for r in rs) for key, rs in cell.items()}
     # At η = 0 every correction is the same objective (π_old = μ up to numerics, weights 1), so
     # the mean of those runs is the on-policy reference and their spread the noise of one run.
     base = [r["success"] for c in args.corrections for r in cell[(0, c)]] if 0 in args.etas else []
-    reference = _mean(base) if base else None
+    reference = fmean(base) if base else None
     if base:
         print(f"η = 0 reference: {100 * reference:.1f}% (the mean of {len(base)} runs, "
               f"{100 * min(base):.1f}–{100 * max(base):.1f}%)")
@@ -263,8 +259,8 @@ def main(args: Args) -> int:
         rs, (eta, c) = cell[key], key
         delta = f"{100 * (success[key] - reference):+.1f}" if reference is not None else "-"
         per_seed = " / ".join(f"{r['success']:.1%}" for r in rs)
-        print(f"| {eta} | {c} | {success[key]:.1%} | {per_seed} | {delta} | {_mean(r['greedy'] for r in rs):.1%} | "
-              + " | ".join(f"{_mean(r[m] for r in rs):.{d}f}" for m, d in
+        print(f"| {eta} | {c} | {success[key]:.1%} | {per_seed} | {delta} | {fmean(r['greedy'] for r in rs):.1%} | "
+              + " | ".join(f"{fmean(r[m] for r in rs):.{d}f}" for m, d in
                            [("reward_last", 2), ("staleness_mean", 1), ("clip_fraction", 3),
                             ("masked_fraction", 3), ("mismatch_kl", 4)]) + " |")
     print(f"total {time.time() - t0:.0f}s")
