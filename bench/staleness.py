@@ -62,6 +62,10 @@ class Args:
     """The truncation C of tis and decoupled (--learner.is-cap)."""
     drop_cap: float = 5.0
     """decoupled drops tokens whose π_prox/μ exceeds this (--learner.drop-cap)."""
+    behaviour_clip: float = 2.0
+    """B of --learner.behaviour-clip: a token stops pulling once π_θ/μ leaves [1/B, B] in its
+    advantage's direction (0 = off). It keeps tis and decoupled from running ahead of a batch 8
+    versions old: without it, their sampled success dipped under the warm start mid-run."""
     eval_samples: int = 16
     """Episodes per maze-64 maze for the sampled evaluation (at the actors' temperature)."""
     seeds: tuple[int, ...] = (0, 1)
@@ -145,7 +149,7 @@ def run_one(eta: int, correction: str, seed: int, args: Args, model_path: str) -
     torch.manual_seed(seed)
     cfg = Config(actors=1, learners=1, max_staleness=eta, correction=correction, seed=seed)
     cfg.learner = LearnerConfig(lr=args.lr, groups_per_step=args.groups_per_step, mini_batches=args.mini_batches,
-                                is_cap=args.is_cap, drop_cap=args.drop_cap)
+                                is_cap=args.is_cap, drop_cap=args.drop_cap, behaviour_clip=args.behaviour_clip)
     cfg.actor.group_size, cfg.actor.groups_in_flight = args.group_size, args.groups_per_step
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -221,7 +225,8 @@ def main(args: Args) -> int:
     runs = [(eta, c, seed) for seed in args.seeds for eta, c in cells]
     print(f"staleness bench: {len(cells)} cells × {len(args.seeds)} seed(s) {list(args.seeds)} × {args.steps} steps "
           f"of {args.groups_per_step}×{args.group_size} episodes, lr {args.lr}, {args.mini_batches} mini-batch(es) "
-          f"a step, tis cap {args.is_cap}, decoupled drop cap {args.drop_cap}, {args.jobs} at a time", flush=True)
+          f"a step, tis cap {args.is_cap}, decoupled drop cap {args.drop_cap}, behaviour clip {args.behaviour_clip}, "
+          f"{args.jobs} at a time", flush=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     results, pending, live = {}, list(runs), {}

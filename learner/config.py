@@ -57,6 +57,10 @@ class LearnerConfig:
     """PPO clip ε_high (clip-higher): the ratio is kept below 1 + ε_high."""
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (0 = off)."""
+    behaviour_clip: float = 0.0
+    """B > 1: a token stops pulling once π_θ/μ has left [1/B, B] in its advantage's direction, μ
+    being the policy that generated the batch (0 = off). A bound for the corrected objectives,
+    whose clip is anchored at π_old, on how far a stale batch moves the policy."""
     is_cap: float = 2.0
     """C of tis, seq-tis and decoupled: they clamp the weight π_old/μ at C (--correction none
     turns correction off)."""
@@ -124,6 +128,8 @@ class LearnerConfig:
             raise ValueError("--learner.clip-low must be in [0, 1) and --learner.clip-high ≥ 0")
         if self.dual_clip != 0 and self.dual_clip <= 1:
             raise ValueError(f"--learner.dual-clip must be 0 (off) or above 1, got {self.dual_clip}")
+        if self.behaviour_clip != 0 and self.behaviour_clip <= 1:
+            raise ValueError(f"--learner.behaviour-clip must be 0 (off) or above 1, got {self.behaviour_clip}")
         if self.is_cap <= 0 or self.drop_cap <= 1:
             raise ValueError(f"--learner.is-cap must be positive and --learner.drop-cap above 1, got "
                              f"{self.is_cap} and {self.drop_cap}; use --correction none to turn the correction off")

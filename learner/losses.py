@@ -26,6 +26,7 @@ Design decisions and departures:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +184,7 @@ class Correction:
     old_logprobs: torch.Tensor  # [B, T] the trust-region anchor of the ratio π_θ / anchor
     is_weight: torch.Tensor     # [B, T] importance weight multiplying the clipped surrogate
     mask: torch.Tensor          # [B, T] the loss mask after the correction dropped tokens
+    behaviour: torch.Tensor | None = None  # [B, T] log μ, for the policy loss's --learner.behaviour-clip
 
 
 def correct(correction: str, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -209,20 +211,20 @@ def correct(correction: str, old_logprobs: torch.Tensor, behaviour_logprobs: tor
     log_w = (old - mu) * mask  # [B, T]
     ones = torch.ones_like(log_w)
     if correction == "none":
-        return Correction(mu, ones, mask)
+        return Correction(mu, ones, mask, mu)
     if correction == "tis":
-        return Correction(old, torch.exp(log_w).clamp(max=cap), mask)
+        return Correction(old, torch.exp(log_w).clamp(max=cap), mask, mu)
     if correction == "seq-tis":
         seq = torch.exp(log_w.sum(1, keepdim=True)).clamp(max=cap)  # [B, 1]
-        return Correction(old, seq.expand_as(log_w).contiguous(), mask)
+        return Correction(old, seq.expand_as(log_w).contiguous(), mask, mu)
     if correction == "geo-mask":
         geo = torch.exp(log_w.sum(1) / mask.sum(1).clamp(min=1.0))  # [B]
         keep = ((geo >= 1.0 / geo_bound) & (geo <= geo_bound)).float()[:, None]  # [B, 1]
-        return Correction(old, ones, mask * keep)
+        return Correction(old, ones, mask * keep, mu)
     if correction == "decoupled":
         w = torch.exp(log_w)
         keep = (w <= drop_cap).float()
-        return Correction(old, w.clamp(max=cap) * keep, mask * keep)
+        return Correction(old, w.clamp(max=cap) * keep, mask * keep, mu)
     raise ValueError(f"unknown --correction {correction!r}; choose one of {CORRECTIONS}")
 
 
@@ -230,13 +232,21 @@ def correct(correction: str, old_logprobs: torch.Tensor, behaviour_logprobs: tor
 
 def policy_loss(logprobs: torch.Tensor, correction: Correction, advantages: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float = 0.0,
-                aggregation: str = "token_mean", norm_length: int = 1024) -> tuple[torch.Tensor, dict[str, float]]:
+                aggregation: str = "token_mean", norm_length: int = 1024,
+                behaviour_clip: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate (Schulman et al. 2017), weighted and aggregated.
 
         ratio_t     = π_θ(a_t) / anchor(a_t)
         surrogate_t = min(ratio_t · A_t, clip(ratio_t, 1 − ε_low, 1 + ε_high) · A_t)
         dual-clip (Ye et al. 2020), c > 1, only where A_t < 0: surrogate_t = max(surrogate_t, c · A_t)
+        behaviour clip, B > 1, with ρ_t = π_θ(a_t) / μ(a_t): surrogate_t carries no gradient
+                    where A_t > 0 and ρ_t > B, or A_t < 0 and ρ_t < 1/B
         L = −aggregate(w_t · surrogate_t)
+
+The behaviour clip bounds how far the corrected objectives (anchored at π_old) push a token
+past what the batch's own policy μ did: PPO's clip, one-sided like it, around μ and wider
+than ε. Without it, a batch η versions old keeps pulling a token the policy has already
+taken up since μ; no fresh sample has yet shown what that did (README, "Staleness").
 
     Asymmetric bounds (ε_high > ε_low) are DAPO's clip-higher. logprobs: [B, T] log π_θ
     (with grad); advantages: [B] (one per trajectory) or [B, T] (per token).
@@ -248,6 +258,13 @@ def policy_loss(logprobs: torch.Tensor, correction: Correction, advantages: torc
     surrogate = torch.minimum(ratio * adv, clipped * adv)  # [B, T]
     if dual_clip > 0:
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, dual_clip * adv), surrogate)
+    held = torch.zeros_like(mask, dtype=torch.bool)
+    if behaviour_clip > 0:
+        assert correction.behaviour is not None, "the behaviour clip needs the correction's log μ"
+        log_rho = logprobs.detach() - correction.behaviour  # [B, T] log π_θ/μ
+        bound = math.log(behaviour_clip)
+        held = ((adv > 0) & (log_rho > bound)) | ((adv < 0) & (log_rho < -bound))
+        surrogate = torch.where(held, surrogate.detach(), surrogate)
     loss = -aggregate(correction.is_weight * surrogate, mask, aggregation, norm_length)
     with torch.no_grad():
         m = mask > 0
@@ -256,6 +273,7 @@ def policy_loss(logprobs: torch.Tensor, correction: Correction, advantages: torc
         metrics = {
             "policy_loss": float(loss),
             "clip_fraction": float(((ratio != clipped) & m).sum() / n),
+            "behaviour_clip_fraction": float((held & m).sum() / n),
             "is_weight_mean": float(w.mean()),
             "is_weight_max": float(w.max()),
         }

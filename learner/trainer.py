@@ -270,7 +270,7 @@ class Learner:
                 corr = correct(self.correction, old_lp, mu, mask, cfg.is_cap, cfg.geo_bound, cfg.drop_cap)
                 adv = advantages[rows].to(self.device) if not ppo else advantages[rows, :width].to(self.device)
                 loss, m = policy_loss(logp, corr, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
-                                      cfg.aggregation, cfg.norm_length)
+                                      cfg.aggregation, cfg.norm_length, cfg.behaviour_clip)
                 with torch.set_grad_enabled(cfg.entropy_coef > 0):  # a metric only: no graph over [b, T, V]
                     entropy = aggregate(token_entropy(logits, self.temperature), mask, cfg.aggregation,
                                         cfg.norm_length)

@@ -21,6 +21,7 @@ def test_bad_headline_values_name_the_flag(kwargs, message):
 @pytest.mark.parametrize("kwargs, message", [
     ({"mini_batches": 0}, "--learner.mini-batches"),
     ({"dual_clip": 0.5}, "--learner.dual-clip"),
+    ({"behaviour_clip": 1.0}, "--learner.behaviour-clip"),
     ({"is_cap": 0.0}, "--correction none"),
     ({"drop_cap": 1.0}, "--learner.drop-cap"),
     ({"geo_bound": 1.0}, "--learner.geo-bound"),

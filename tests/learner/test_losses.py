@@ -275,6 +275,30 @@ def test_decoupled_loss_against_a_moved_policy():
     assert m["is_weight_mean"] == pytest.approx(1.25) and m["clip_fraction"] == pytest.approx(1.0)
 
 
+def test_behaviour_clip_holds_tokens_pushed_past_mu():
+    mu = torch.log(torch.tensor([[0.2, 0.2, 0.5, 0.5]]))
+    old = torch.log(torch.tensor([[0.4, 0.4, 0.2, 0.2]]))  # π_old/μ = [2, 2, 0.4, 0.4], under C = 2
+    logp = old.clone().requires_grad_(True)                # π_θ = π_old: ratio 1, PPO's clip idle
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]])
+    mask = torch.ones(1, 4)
+    loss, m = policy_loss(logp, correct("tis", old, mu, mask, cap=2.0), adv, behaviour_clip=1.5)
+    # ρ = π_θ/μ = [2, 2, 0.4, 0.4]; B = 1.5, 1/B = 0.667
+    # token 1: A > 0 and ρ = 2 > B: held; token 2: A < 0, pushing down is free: pulls
+    # token 3: A < 0 and ρ = 0.4 < 1/B: held; token 4: A > 0, pushing up is free: pulls
+    # loss = -(2·1 + 2·-1 + 0.4·-1 + 0.4·1) / 4 = 0 (the clip changes gradients, not the value)
+    assert float(loss.detach()) == pytest.approx(0.0, abs=1e-6)
+    assert m["behaviour_clip_fraction"] == pytest.approx(0.5)
+    loss.backward()
+    # d/d logp_t = -w_t·A_t / 4 on the pulling tokens: token 2 -2·-1/4 = 0.5, token 4 -0.4·1/4 = -0.1
+    close(logp.grad, torch.tensor([[0.0, 0.5, 0.0, -0.1]]))
+    free = old.clone().requires_grad_(True)
+    loss, m = policy_loss(free, correct("tis", old, mu, mask, cap=2.0), adv)
+    loss.backward()
+    # off: every token pulls, [-2·1, -2·-1, -0.4·-1, -0.4·1] / 4
+    close(free.grad, torch.tensor([[-0.5, 0.5, 0.1, -0.1]]))
+    assert m["behaviour_clip_fraction"] == 0
+
+
 def test_dr_grpo_aggregation_in_the_loss():
     logp = torch.zeros(2, 4)
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
