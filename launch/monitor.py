@@ -103,8 +103,8 @@ def step_scalars(m: dict) -> dict[str, float]:
     """TensorBoard names for one learner step's metrics."""
     out = {
         "learner/loss": m["loss"], "learner/grad_norm": m["grad_norm"],
-        "learner/clip_fraction": m["clip_fraction"],
-        "learner/behaviour_clip_fraction": m["behaviour_clip_fraction"], "learner/is_weight_mean": m["is_weight_mean"],
+        "learner/clip_fraction": m["clip_fraction"], "learner/behaviour_clip_fraction": m["behaviour_clip_fraction"],
+        "learner/is_weight_mean": m["is_weight_mean"],
         "learner/is_weight_max": m["is_weight_max"], "learner/mismatch_kl": m["mismatch_kl"],
         "learner/entropy": m["entropy"], "learner/masked_fraction": m["masked_fraction"],
         "learner/policy_loss": m["policy_loss"], "learner/trained_fraction": m["trained_fraction"],

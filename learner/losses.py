@@ -243,10 +243,10 @@ def policy_loss(logprobs: torch.Tensor, correction: Correction, advantages: torc
                     where A_t > 0 and ρ_t > B, or A_t < 0 and ρ_t < 1/B
         L = −aggregate(w_t · surrogate_t)
 
-The behaviour clip bounds how far the corrected objectives (anchored at π_old) push a token
-past what the batch's own policy μ did: PPO's clip, one-sided like it, around μ and wider
-than ε. Without it, a batch η versions old keeps pulling a token the policy has already
-taken up since μ; no fresh sample has yet shown what that did (README, "Staleness").
+    The behaviour clip bounds how far the corrected objectives (anchored at π_old) push a token
+    past what the batch's own policy μ did: PPO's clip, one-sided like it, around μ and wider
+    than ε. Without it, a batch η versions old keeps pulling a token the policy has already
+    taken up since μ; no fresh sample has yet shown what that did (README, "Staleness").
 
     Asymmetric bounds (ε_high > ε_low) are DAPO's clip-higher. logprobs: [B, T] log π_θ
     (with grad); advantages: [B] (one per trajectory) or [B, T] (per token).

@@ -74,7 +74,8 @@ def _ppo_rank(rank, model, endpoint, url, out):
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = LearnerConfig(lr=1e-2, groups_per_step=4, mini_batches=2, kl_coef=0.1, entropy_coef=0.01, micro_batch=3)
+    cfg = LearnerConfig(lr=1e-2, groups_per_step=4, mini_batches=2, kl_coef=0.1, entropy_coef=0.01, micro_batch=3,
+                        behaviour_clip=2.0)
     learner = Learner(cfg, model, rank, 2, url, ZmqReplayClient(endpoint), algo="ppo", correction="decoupled")
     try:
         learner.setup()
@@ -143,7 +144,7 @@ def test_ppo_trains_policy_and_critic_adapters_on_two_ranks(tiny_model):
     m1.pop()
     for m in m0:
         for key in ("value_loss", "explained_variance", "kl_ref", "entropy", "critic_grad_norm", "masked_fraction",
-                    "clip_fraction", "is_weight_mean", "mismatch_kl"):
+                    "clip_fraction", "behaviour_clip_fraction", "is_weight_mean", "mismatch_kl"):
             assert key in m and np.isfinite(m[key]), key
     assert m0[1]["version"] == 2 and m0[0]["trajectories"] == 16
     assert m0[0]["trained_fraction"] == 1.0  # the critic learns from uniform-reward groups too
