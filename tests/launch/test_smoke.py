@@ -61,9 +61,12 @@ def test_ctrl_c_stops_every_process_and_leaves_readable_logs(tmp_path):
     import time
 
     logdir = tmp_path / "interrupted"
+    # A job started in the background by a non-interactive shell (as CI may start pytest) inherits
+    # SIGINT ignored, and the job keeps it so; a user at a terminal has the default: so does this one.
     proc = subprocess.Popen([sys.executable, "-m", "launch.async", "--actors", "2", "--learners", "1",
                              "--steps", "100000", "--logdir", str(logdir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     deadline = time.time() + 600
     for line in proc.stdout:
