@@ -132,9 +132,10 @@ class Config:
     "rloo" (leave-one-out baseline) or "ppo" (a critic with its own LoRA adapter, GAE)."""
     correction: str = "none"
     """Staleness / mismatch correction against the behaviour log-probs μ: "none" (PPO clipped
-    around μ: the measured default, most robust to staleness in bench.staleness and the fastest
-    default run), "tis" (token-level truncated IS, min(π_old/μ, C)), "seq-tis" (sequence-level), "geo-mask"
-    (drop trajectories whose geometric-mean ratio is off), "decoupled" (AReaL's decoupled PPO)."""
+    around μ: the default; with one update a step, as the default run makes, π_old is π_θ detached
+    and only "none" keeps a trust region), "tis" (token-level truncated IS, min(π_old/μ, C)),
+    "seq-tis" (sequence-level), "geo-mask" (drop trajectories whose geometric-mean ratio is off),
+    "decoupled" (AReaL's decoupled PPO)."""
     model: str = "auto"
     """Policy: "builtin:maze" (tiny model after the maze warm start, built locally on first use),
     "builtin:tiny" (untrained), a local Hugging Face checkpoint path, or a Hub id. "auto" is
