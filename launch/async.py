@@ -39,6 +39,9 @@ def resolve_policy(cfg: Config) -> str:
 
 
 def main(cfg: Config) -> int:
+    from policy.compat import check_torchvision
+
+    check_torchvision()  # before anything loads a model
     import ray
     import torch
 
@@ -83,7 +86,7 @@ def main(cfg: Config) -> int:
         actors = [Actor.remote(cfg, model_path, i, endpoint, weights, key) for i in range(cfg.actors)]
         runs = [a.run.remote() for a in actors]
         training = [lr.train.remote() for lr in learners]
-        _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, actors)
+        _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, actors, runs)
         for a in actors:
             a.stop.remote()
         ray.get(runs, timeout=120)
@@ -114,7 +117,7 @@ def _catch_interrupts() -> None:
         signal.signal(signal.SIGINT, handler)
 
 
-def _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, actors) -> None:
+def _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, actors, runs) -> None:
     import ray
 
     from launch.monitor import Evaluator, actor_scalars, replay_scalars, step_scalars
@@ -131,6 +134,12 @@ def _monitor(cfg, model_path, board, replay, learners, training, weights, key, s
             if _INTERRUPTED.is_set():
                 raise KeyboardInterrupt
             done, _ = ray.wait(training, num_returns=len(training), timeout=1.0)
+            stopped, _ = ray.wait(runs, timeout=0)
+            if stopped:
+                # An actor ended before the run did: its error (an adapter it could not apply, an
+                # engine that died) stops the run with its message.
+                ray.get(stopped)
+                raise RuntimeError("an actor stopped before the run ended, without an error")
             if cfg.max_minutes and not limited and time.time() - started > 60 * cfg.max_minutes:
                 # Ranks run in lockstep and the driver's view lags by at most a step: two
                 # steps ahead is past every rank, so all of them stop after the same step.
@@ -167,6 +176,7 @@ def _monitor(cfg, model_path, board, replay, learners, training, weights, key, s
                 last_print = time.time()
     finally:
         sub.close()
+        evaluator.close()
 
 
 def load_adapter_dir(path: str):

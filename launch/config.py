@@ -182,6 +182,9 @@ class Config:
             raise ValueError(f"--max-minutes must be 0 (no limit) or positive, got {self.max_minutes}")
         if self.eval_every < 1 or self.eval_episodes < 1:
             raise ValueError("--eval-every and --eval-episodes must be at least 1")
+        if 0 < self.actor.max_lora_rank < self.learner.lora.rank:
+            raise ValueError(f"--actor.max-lora-rank ({self.actor.max_lora_rank}) is below --learner.lora.rank "
+                             f"({self.learner.lora.rank}): the engine could not load the adapters")
         if self.learner.groups_per_step % self.learners:
             raise ValueError(
                 f"--learner.groups-per-step ({self.learner.groups_per_step}) must be a multiple of "

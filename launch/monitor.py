@@ -27,7 +27,8 @@ class Evaluator:
         self.make_env = lambda: make_env(cfg.env, **kwargs)
         env = self.make_env()
         self.tasks = env.eval_tasks(env.eval_seed if seed is None else seed, episodes or cfg.eval_episodes)
-        self.engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device)
+        self.engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device,
+                                  **cfg.actor.engine_options(cfg.learner.lora.rank))
         self.chat = Chat(load_tokenizer(model_path))
 
     @property
@@ -36,6 +37,10 @@ class Evaluator:
 
     def load(self, version: int, tensors: dict) -> None:
         self.engine.load_adapter(version, tensors)
+
+    def close(self) -> None:
+        """Release the engine (vLLM's stops its processes)."""
+        self.engine.close()
 
     def evaluate(self, temperature: float = 0.0, samples: int = 1) -> dict[str, float]:
         """Greedy success by default; `temperature`, `samples`: see `actors.rollout.evaluate`."""

@@ -92,8 +92,7 @@ class ActorPart:
         name = f"actor-{index}"
         replay = ZmqReplayClient(replay_endpoint, actor=name, key=key, arena_bytes=cfg.replay.arena_mb << 20)
         engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device,
-                             seed=cfg.seed * 1000 + index, recompute_kv=cfg.actor.recompute_kv,
-                             merge_lora=cfg.actor.merge_lora)
+                             seed=cfg.seed * 1000 + index, **cfg.actor.engine_options(cfg.learner.lora.rank))
         kwargs = cfg.env_kwargs()
         self.actor = Actor(cfg.actor, name, engine, Chat(load_tokenizer(model_path)),
                            lambda: make_env(cfg.env, **kwargs), replay,
@@ -101,7 +100,10 @@ class ActorPart:
         self._stop = threading.Event()
 
     def run(self) -> None:
-        self.actor.run(self._stop)
+        try:
+            self.actor.run(self._stop)
+        finally:
+            self.actor.engine.close()  # vLLM's engine processes end with the actor
 
     def stop(self) -> None:
         self._stop.set()

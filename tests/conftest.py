@@ -27,6 +27,15 @@ def chat(tiny_model):
     return Chat(load_tokenizer(tiny_model))
 
 
+def pytest_configure(config):
+    from policy.compat import check_torchvision
+
+    try:
+        check_torchvision()
+    except RuntimeError as exc:
+        pytest.exit(str(exc), returncode=2)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

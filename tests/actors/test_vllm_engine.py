@@ -1,26 +1,224 @@
-"""The vLLM engine on a GPU: same token-in/token-out contract as the torch engine."""
+"""The vLLM engine, run as a user would run it: vLLM's CPU build here (`.[test]` installs it),
+its GPU build where there is a GPU. One engine serves the whole module (engines take
+20-70 s to start); the last test shuts it down and checks that nothing is left running."""
+
+import threading
+import time
 
 import pytest
+import torch
 
-from actors.engine import SamplingParams, TorchEngine, make_engine
+from actors.engine import RequestEngine, SamplingParams, TorchEngine, make_engine
+from bench.parity import compare, learner_logprobs, prompts_for, random_adapter
 from policy.load import LoraSpec
 
-pytestmark = pytest.mark.gpu
+pytest.importorskip("vllm", reason="the vLLM engine tests need vLLM: pip install -e '.[test]'")
+
+LORA = LoraSpec(rank=8)
+CUDA = torch.cuda.is_available()
+DTYPE = "bfloat16" if CUDA else "float32"  # vLLM's LoRA kernels on GPUs take 16-bit types only
+TOLERANCE = {"float32": (5e-4, 1e-8), "bfloat16": (0.5, 1e-2)}[DTYPE]
+"""(max |log μ − log π|, mismatch KL) against the learner's float32 scoring."""
 
 
-def test_vllm_logprobs_match_the_torch_engine(tiny_model, chat):
-    pytest.importorskip("vllm")
-    lora = LoraSpec(rank=8)
-    engine = make_engine("vllm", tiny_model, lora, dtype="float32")
-    ref = TorchEngine(tiny_model, lora, device="cuda")
-    prompt = chat.prompt_ids([{"role": "user", "content": "start\n@.#\n#.G"}])
-    out = engine.generate([prompt], SamplingParams(4, chat.stop_ids, temperature=1.0))[0]
-    assert 1 <= len(out.tokens) <= 4
-    import torch
-
-    with torch.no_grad():
-        logits = ref.model(input_ids=torch.tensor([prompt + out.tokens], device="cuda")).logits[0]
-    logp = torch.log_softmax(logits.float(), -1)
-    expected = [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(out.tokens)]
-    assert out.logprobs == pytest.approx(expected, abs=2e-2)
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    engine = make_engine("vllm", tiny_model, LORA, device="auto", dtype=DTYPE, max_model_len=1024)
+    yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model):
+    return [random_adapter(tiny_model, LORA, seed=s) for s in range(4)]
+
+
+def test_starts_and_samples_with_logprobs_one_request_per_turn(engine, chat):
+    assert isinstance(engine, RequestEngine)
+    prompts = prompts_for(chat, 6)
+    params = SamplingParams(12, chat.stop_ids, temperature=0.7)
+    for i, p in enumerate(prompts):
+        engine.submit(("turn", i), p, params)
+    done = {}
+    while len(done) < len(prompts):
+        done.update(engine.collect(timeout=1.0))
+    assert engine.pending == 0
+    for out in done.values():
+        assert 1 <= len(out.tokens) <= 12
+        assert len(out.logprobs) == len(out.tokens) == len(out.versions)
+        assert all(lp <= 0 for lp in out.logprobs)
+        assert out.stopped == (out.tokens[-1] in chat.stop_ids)
+        assert set(out.versions) == {engine.version}
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.submit(("turn", "empty"), [], params)
+
+
+def test_greedy_stops_on_a_stop_token_and_is_deterministic(engine, chat):
+    prompt = prompts_for(chat, 1)[0]
+    a = engine.generate([prompt], SamplingParams(6, chat.stop_ids, temperature=0.0))[0]
+    b = engine.generate([prompt], SamplingParams(6, chat.stop_ids, temperature=0.0))[0]
+    assert a.tokens == b.tokens
+    stop = a.tokens[0]
+    c = engine.generate([prompt], SamplingParams(6, (stop,), temperature=0.0))[0]
+    assert c.tokens == [stop] and c.stopped
+
+
+def test_logprobs_agree_with_the_learners_scoring_of_the_same_tokens(engine, tiny_model, chat, adapters):
+    """Parity: μ recorded by vLLM and π scored by the learner, same adapter, same temperature.
+    In float32 (vLLM's CPU build) they agree to about 1e-5; the torch engine is held to the
+    float32 standard beside it."""
+    params = SamplingParams(12, chat.stop_ids, temperature=0.7)
+    prompts = prompts_for(chat, 8)
+    _load_next(engine, adapters[0])
+    vllm = compare(engine, tiny_model, LORA, adapters[0], prompts, params)
+    ref = compare(TorchEngine(tiny_model, LORA, seed=0), tiny_model, LORA, adapters[0], prompts, params)
+    assert vllm["tokens"] >= len(prompts) and ref["tokens"] >= len(prompts)
+    assert vllm["max_abs"] < TOLERANCE[0] and vllm["kl"] < TOLERANCE[1], vllm
+    assert ref["max_abs"] < 5e-4 and ref["kl"] < 1e-8, ref
+    # The adapter matters: the same tokens scored without it differ by far more than that.
+    zero = {k: torch.zeros_like(v) for k, v in adapters[0].items()}
+    seqs = [p + toks for p, toks, _ in vllm["sequences"]]
+    bare = learner_logprobs(tiny_model, LORA, zero, seqs, params.temperature)
+    gap = max(abs(mu - bare_s[len(p) + j]) for (p, _, lps), bare_s in zip(vllm["sequences"], bare)
+              for j, mu in enumerate(lps))
+    assert gap > 1e-2, "vLLM sampled as if no adapter were applied"
+
+
+def _load_next(engine, tensors):
+    engine.load_adapter(engine.version + 1, tensors)
+    return engine.version
+
+
+@pytest.mark.parametrize("mode", ["finish", "cut"])
+def test_an_adapter_arriving_mid_request_is_recorded_token_by_token(engine, chat, adapters, mode):
+    """Long requests are running when a new adapter arrives. "finish": they end under the old
+    version and new requests use the new one; "cut": they continue under the new one, and the
+    versions change exactly where the cut fell."""
+    engine.in_flight = mode
+    old = _load_next(engine, adapters[1])
+    params = SamplingParams(800, (), temperature=1.0)  # no stop token: long requests
+    prompts = prompts_for(chat, 4)
+    for i, p in enumerate(prompts):
+        engine.submit((mode, i), p, params)
+    while any(len(engine._turns[(mode, i)].tokens) < 4 for i in range(len(prompts))):
+        time.sleep(0.01)  # every request has sampled a few tokens under the old adapter
+    new = _load_next(engine, adapters[2])
+    engine.submit((mode, "after"), prompts[0], SamplingParams(8, (), temperature=1.0))
+    done = {}
+    while len(done) < len(prompts) + 1:
+        done.update(engine.collect(timeout=1.0))
+    assert set(done[(mode, "after")].versions) == {new}
+    for i in range(len(prompts)):
+        out = done[(mode, i)]
+        assert len(out.tokens) == len(out.versions) == len(out.logprobs) == 800
+        assert out.versions == sorted(out.versions), "versions never go back within a turn"
+        if mode == "finish":
+            assert set(out.versions) == {old}
+        else:
+            assert out.versions[0] == old
+            assert set(out.versions) <= {old, new}
+    if mode == "cut":
+        assert any(new in done[(mode, i)].versions for i in range(len(prompts))), "no request was cut"
+    engine.in_flight = "finish"
+
+
+def test_a_malformed_or_oversized_adapter_is_refused_and_the_engine_goes_on(engine, chat, adapters):
+    good = adapters[3]
+    before = engine.version
+    missing_b = {k: v for k, v in good.items() if ".lora_B." not in k}
+    with pytest.raises(ValueError, match="does not fit the model"):
+        engine.load_adapter(before + 1, missing_b)
+    too_big = {k: (torch.zeros(64, v.shape[1]) if ".lora_A." in k else torch.zeros(v.shape[0], 64))
+               for k, v in good.items()}
+    with pytest.raises(ValueError, match="rank 64, above"):
+        engine.load_adapter(before + 1, too_big)
+    wrong_shape = {k: (v[:, :-3] if ".lora_A." in k else v) for k, v in good.items()}
+    with pytest.raises(ValueError, match="has shape"):  # vLLM itself would copy what fits
+        engine.load_adapter(before + 1, wrong_shape)
+    renamed = {k.replace("q_proj", "qq_proj"): v for k, v in good.items()}
+    with pytest.raises(ValueError, match="does not fit the model"):
+        engine.load_adapter(before + 1, renamed)
+    with pytest.raises(ValueError, match="not newer"):
+        engine.load_adapter(before, good)
+    assert engine.version == before
+    out = engine.generate(prompts_for(chat, 2), SamplingParams(4, chat.stop_ids, temperature=0.7))
+    assert all(set(o.versions) == {before} for o in out)
+    engine.load_adapter(before + 1, good)
+    assert engine.version == before + 1
+
+
+def test_an_actor_plays_with_vllm_and_records_the_version_of_every_token(engine, tiny_model, chat):
+    """The actor's loop on the vLLM engine: one request per episode turn, adapters arriving over
+    the real weight channel while episodes run, every group complete and consistent."""
+    from actors.actor import Actor, ActorConfig
+    from envs import make_env
+    from replay.buffer import ReplayBuffer
+    from replay.client import LocalReplay
+    from replay.weights import Adapter, WeightPublisher, WeightSubscriber
+    from replay.wire import decode_group
+
+    base = engine.version
+    buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
+    replay = LocalReplay(buffer, actor="actor-0")
+    publisher = WeightPublisher()
+    subscriber = WeightSubscriber(publisher.endpoints)
+    cfg = ActorConfig(engine="vllm", group_size=2, groups_in_flight=3, max_new_tokens=4)
+    actor = Actor(cfg, "actor-0", engine, chat, lambda: make_env("maze", max_steps=6), replay, subscriber)
+    stop = threading.Event()
+    thread = threading.Thread(target=actor.run, args=(stop,))
+    try:
+        thread.start()
+        deadline, version = time.time() + 240, base
+        while time.time() < deadline and len(buffer.queue) < 10:
+            version += 1
+            buffer.set_version(version - base)
+            publisher.publish(Adapter(version, tiny_model, LORA.to_dict(),
+                                      random_adapter(tiny_model, LORA, seed=version, scale=0.05)))
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        thread.join(120)
+        subscriber.close()
+        publisher.close()
+    assert not thread.is_alive()
+    groups = [decode_group(e.blob) for e in buffer.queue]
+    assert len(groups) >= 10
+    for g in groups:
+        assert len(g.trajectories) == 2 and len({t.tokens[:20].tobytes() for t in g.trajectories}) == 1
+        for t in g.trajectories:
+            assert t.mask.sum() > 0 and t.finish_reason in ("terminated", "truncated")
+            assert (t.logprobs[t.mask == 0] == 0).all() and (t.logprobs[t.mask == 1] <= 0).all()
+            model = t.versions[t.mask == 1]
+            assert (model[1:] >= model[:-1]).all(), "versions never go back within an episode"
+    versions = {int(v) for g in groups for t in g.trajectories for v in t.versions[t.mask == 1]}
+    assert len(versions) > 1 and max(versions) > base + 1, "the actor never applied a new adapter"
+    assert engine.pending == 0
+
+
+def test_shutdown_leaves_no_process_behind(engine, chat):
+    import psutil
+
+    procs = list(engine._children)
+    assert procs, "vLLM's engine runs in processes of its own"
+    engine.submit(("shutdown", 0), prompts_for(chat, 1)[0], SamplingParams(500, (), temperature=1.0))
+    engine.close()  # with a request still running
+    assert not [(p.pid, p.cmdline()) for p in procs if _alive(p)]
+    assert not engine._dir.exists()
+
+
+def _alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_vllm_older_than_the_logprob_semantics_is_refused():
+    from actors.vllm_engine import check_vllm_version
+
+    check_vllm_version("0.10.2")
+    check_vllm_version("0.32.0+cpu")
+    with pytest.raises(RuntimeError, match="before temperature"):
+        check_vllm_version("0.10.1.1")

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from actors.actor import ActorConfig
 from launch.config import Config, SkyrlConfig
 
 
@@ -19,6 +20,7 @@ from launch.config import Config, SkyrlConfig
     ({"steps": 0}, "--steps"),
     ({"max_staleness": -1}, "--max-staleness"),
     ({"learners": 3}, "multiple of --learners"),
+    ({"actor": ActorConfig(engine="vllm", max_lora_rank=16)}, "--actor.max-lora-rank \\(16\\) is below"),
 ])
 def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -35,6 +37,9 @@ def test_colocate_is_strictly_on_policy():
     (["--env", "chess"], "unknown environment 'chess'"),
     (["--maze.curriculum", "3@zero"], "--maze.curriculum: bad curriculum stage '3@zero'"),
     (["--actor.group-size", "1"], "--actor.group-size"),
+    (["--actor.device", "tpu"], "--actor.device must be cpu, cuda or auto"),
+    (["--actor.memory-fraction", "1.5"], "--actor.memory-fraction must be in (0, 1]"),
+    (["--actor.in-flight", "drop"], "--actor.in-flight"),
 ])
 def test_command_line_fails_fast(args, message):
     run = subprocess.run([sys.executable, "-m", "launch.async", *args], capture_output=True, text=True, timeout=60)

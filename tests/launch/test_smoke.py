@@ -48,6 +48,20 @@ def test_async_run_with_six_actors_and_two_learners(tmp_path):
     assert greedy_twice.returncode != 0 and "error: evaluate: samples" in greedy_twice.stderr
 
 
+def test_async_run_with_vllm_actors(tmp_path):
+    """`--actor.engine vllm` end to end: vLLM's CPU build here, as `.[test]` installs it."""
+    pytest.importorskip("vllm", reason="the vLLM engine needs vLLM: pip install -e '.[test]'")
+    logdir = tmp_path / "vllm"
+    run = launch("--actor.engine", "vllm", "--actors", "2", "--learners", "1", "--steps", "3",
+                 "--learner.groups-per-step", "4", "--eval-episodes", "8", "--logdir", str(logdir))
+    assert "done: 3 steps" in run.stdout
+    scalars = read_scalars(str(logdir))
+    for tag in REQUIRED:
+        assert tag in scalars, f"{tag} missing from TensorBoard events"
+    assert [s for s, _ in scalars["learner/loss"]] == [1, 2, 3]
+    assert max(v for _, v in scalars["async/staleness_max"]) <= 1  # η = 1, versions recorded per token
+
+
 def test_colocated_run_is_strictly_on_policy(tmp_path):
     logdir = tmp_path / "colocate"
     launch("--actors", "2", "--learners", "1", "--colocate", "--steps", "3", "--logdir", str(logdir))

@@ -1,0 +1,124 @@
+"""`python -m bench.engines`: trajectories per second of each engine on the maze, same run.
+
+One actor (the real `actors.actor.Actor`, default settings: 4 groups of 8 in
+flight) plays the maze with the built-in maze policy through a LoRA adapter
+(zeros: the warm start's policy, with the adapter's computation running as it
+does in a training run), once with the torch engine and once with vLLM, with
+the same seeds. Replay is a stand-in that grants every credit at once and
+notes when each group is pushed, so the figure is the actor's own rate. The
+first `--warmup` groups an engine pushes are not timed (engine start,
+warm-up); the rate is over the `--groups` pushed after them. Run it alone: the
+engine's processes and the environments' threads share the machine.
+
+Ends with one JSON line: {"traj_per_s_torch": ..., "traj_per_s_vllm": ..., "ratio": vllm / torch}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+
+class _Replay:
+    """Every credit asked for is granted at once (version 0); pushed groups are timed."""
+
+    def __init__(self) -> None:
+        self.wanted = 0
+        self.pushed: list[tuple[float, int]] = []  # (when, trajectories) of each group pushed
+        self._lock = threading.Lock()
+
+    def hello(self) -> None:
+        pass
+
+    def request_credit(self) -> None:
+        with self._lock:
+            self.wanted += 1
+
+    def credits(self, timeout: float) -> list[int]:
+        with self._lock:
+            granted, self.wanted = self.wanted, 0
+        if not granted:
+            time.sleep(min(timeout, 0.01))
+        return [0] * granted
+
+    def send(self, group) -> None:
+        self.pushed.append((time.perf_counter(), len(group.trajectories)))
+
+    def flush(self, timeout: float = 0.0) -> None:
+        pass
+
+
+class _Weights:
+    """One adapter, version 1, from the start: a run's engines always sample with one."""
+
+    def __init__(self, adapter) -> None:
+        self.adapter = adapter
+
+    def poll(self):
+        return None
+
+    def wait(self, timeout: float):
+        return None
+
+    def latest(self, timeout: float):
+        return self.adapter
+
+
+def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int) -> float:
+    """Trajectories per second of one actor with engine `kind` over `groups` timed groups."""
+    from actors.actor import Actor, ActorConfig
+    from actors.engine import make_engine
+    from bench.parity import random_adapter
+    from replay.weights import Adapter
+    from envs import make_env
+    from launch.config import Config
+    from policy import Chat, load_tokenizer
+
+    cfg = Config()
+    actor_cfg = ActorConfig(engine=kind)
+    # The warm start's policy through a LoRA adapter (A = B = 0): the adapter's computation
+    # runs, as it does from the first update of a run on, and the episodes are the warm start's.
+    adapter = {k: v.zero_() for k, v in random_adapter(model_path, cfg.learner.lora).items()}
+    engine = make_engine(kind, model_path, cfg.learner.lora, seed=seed,
+                         **actor_cfg.engine_options(cfg.learner.lora.rank))
+    try:
+        chat = Chat(load_tokenizer(model_path))
+        kwargs = cfg.env_kwargs()
+        replay = _Replay()
+        actor = Actor(actor_cfg, kind, engine, chat, lambda: make_env("maze", **kwargs), replay,
+                      _Weights(Adapter(1, model_path, cfg.learner.lora.to_dict(), adapter)), seed=seed)
+        actor.run(threading.Event(), max_groups=warmup + groups)
+        (t0, _), timed = replay.pushed[warmup - 1], replay.pushed[warmup:]
+        return sum(n for _, n in timed) / (timed[-1][0] - t0)
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=48, help="timed groups per engine")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed groups per engine first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines", default="torch,vllm")
+    args = parser.parse_args()
+
+    import torch
+
+    from launch.warmstart import ensure_warmstart
+
+    torch.set_num_threads(1)
+    model_path = ensure_warmstart(log=print)
+    result = {}
+    for kind in args.engines.split(","):
+        r = rate(kind, model_path, args.warmup, args.groups, args.seed)
+        print(f"{kind}: {r:.1f} trajectories/s over {args.groups} groups", flush=True)
+        result[f"traj_per_s_{kind}"] = round(r, 2)
+    if "traj_per_s_torch" in result and "traj_per_s_vllm" in result:
+        result["ratio"] = round(result["traj_per_s_vllm"] / result["traj_per_s_torch"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
