@@ -169,7 +169,9 @@ class VLLMEngine:
         try:
             before = {c.pid for c in _children()}
             self._call(self._start())
-            self._children = [c for c in _children() if c.pid not in before]  # vLLM's engine processes
+            # vLLM's engine process (its workers are its own children). Only direct children: in a
+            # Ray driver, every Ray worker descends from this process too.
+            self._children = [c for c in _children() if c.pid not in before]
         except BaseException:
             self.close()
             raise
@@ -341,8 +343,23 @@ class VLLMEngine:
         return [done[k] for k in keys]
 
     # -- shutdown ----------------------------------------------------------------
+    def processes(self) -> list:
+        """vLLM's processes for this engine (psutil handles): the engine core and its workers."""
+        import psutil
+
+        out = []
+        for proc in self._children:
+            try:
+                out += [proc, *proc.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
     def close(self) -> None:
         """Abort every request, shut vLLM's engine processes down, remove the adapter files."""
+        import psutil
+
+        procs = self.processes()  # before shutdown: a worker whose parent has exited is nobody's child
         if self._loop.is_running():
             async def stop():
                 self._stopping = True
@@ -356,27 +373,25 @@ class VLLMEngine:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(10)
         self.llm = None
-        import psutil
-
-        # vLLM stops its processes (killing what does not stop in time); wait for them, so none
-        # is left behind, not even as a zombie.
-        for proc in self._children:
+        # vLLM stops its processes (killing what does not stop in time); end what is left and
+        # wait for them, so that none stays behind, not even as a zombie.
+        for proc in procs:
             try:
                 proc.terminate()
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(self._children, timeout=10)
+        psutil.wait_procs(procs, timeout=10)
         self._children = []
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _children() -> list:
-    """This process's descendants, less Python's multiprocessing resource tracker (shared by
+    """This process's children, less Python's multiprocessing resource tracker (shared by
     everything in the process, and it exits with it)."""
     import psutil
 
     out = []
-    for proc in psutil.Process().children(recursive=True):
+    for proc in psutil.Process().children():
         try:
             if not any("resource_tracker" in part for part in proc.cmdline()):
                 out.append(proc)

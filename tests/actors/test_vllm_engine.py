@@ -198,7 +198,7 @@ def test_an_actor_plays_with_vllm_and_records_the_version_of_every_token(engine,
 def test_shutdown_leaves_no_process_behind(engine, chat):
     import psutil
 
-    procs = list(engine._children)
+    procs = engine.processes()
     assert procs, "vLLM's engine runs in processes of its own"
     engine.submit(("shutdown", 0), prompts_for(chat, 1)[0], SamplingParams(500, (), temperature=1.0))
     engine.close()  # with a request still running
