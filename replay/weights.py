@@ -1,55 +1,112 @@
 """The weight channel: versioned LoRA adapters from learner rank 0 to actors.
 
-An adapter travels as one wire frame: a header {version, base model id, adapter
-config} and the tensors as safetensors bytes (never pickle). The publisher
-binds a PUB socket (every subscriber gets each new version as it is published)
-and a ROUTER socket that answers "latest" requests: a PUB socket drops messages
-to late joiners, so a new or restarted actor asks for the current adapter when
-it starts. Subscribers keep only the newest version (CONFLATE): an actor that
-fell behind skips straight to the newest weights. With the run's key, adapter
-frames and "latest" requests are signed (HMAC-SHA256) and checked.
+An adapter is a header {version, base model id, adapter config} and its tensors as safetensors
+bytes (never pickle), cut into chunks (16 MiB by default, never over the 64 MiB frame cap), so
+that adapters of any LoRA size travel (an 8B model's r = 32 adapter is ~333 MB in fp32; the
+defaults carry up to 2 GiB, see below, and refuse more with a ValueError). Each chunk's
+header carries the version, the chunk's index, the chunk count, the total length and the SHA-256
+digests of the chunk and of the whole adapter, and is signed with the run's key (replay/chunks.py
+has the format and why it is shaped so). With `dtype`, the publisher casts floating tensors for
+the wire (bf16 when the learner trains in bf16); without it, tensors travel as they are.
+
+The publisher binds a PUB socket (every subscriber gets each new version as it is published) and
+a ROUTER socket that answers "latest" requests with the current adapter, all its chunks in one
+multipart reply: a PUB socket drops messages to late joiners, so a new or restarted actor asks
+for the current adapter when it starts. ZeroMQ's CONFLATE keeps one message, which breaks
+multi-part streams, so the subscriber keeps the newest version itself: chunks of a newer version
+discard an older partial one, and `poll` hashes only the newest version's chunks. After the
+chunks, and then every `announce_s`, the publisher announces the newest version (one small signed
+frame on the same PUB socket, so it arrives after every chunk of that version that was not
+dropped): a subscriber that lacks the version then knows that chunks were dropped, even all of
+them, and asks for `latest`; a partial version that gets no chunk for `stall_s` also counts as
+dropped (a publisher that stopped mid-adapter).
+
+High-water marks count messages (chunks), and libzmq fixes a bound socket's when it binds, before
+any adapter is seen. So the publisher's `hwm` (64 chunks: 1 GiB at 16 MiB) stays put and the
+chunks grow instead (up to the frame cap) for an adapter that would need more than hwm / 2 of
+them: two adapters always fit one subscriber's queue, so one that keeps up loses nothing, while
+one that stops reading holds at most `hwm` chunks of the publisher's memory, then loses chunks
+(and asks for `latest` when it reads again), never unbounded old versions.
+
+Nothing fails silently. A frame that is unsigned, wrongly signed or not our schema is a
+stranger's or garbage: it is rejected and counted (`rejected`). An adapter from our own
+publisher that does not arrive whole (a chunk dropped or corrupt, digests that do not add up,
+bytes that are not safetensors) makes the subscriber ask for `latest`, a bounded number of times
+with a timeout; if it still has no good adapter it raises `AdapterUndeliverable`, which stops
+the actor and the run with a message that says which version, why, and what to check.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zmq
 
+from replay import wire
+from replay.chunks import (CHUNK_BYTES, Assembly, BrokenAdapter, announcement, chunk_messages,
+                           read_announcement, read_chunk, to_safetensors)
 from replay.wire import WireError, pack, unpack
+
+WIRE_DTYPES = (None, "bfloat16", "float16", "float32")
+"""Choices for the publisher's `dtype` (None: as given)."""
+
+
+class AdapterUndeliverable(RuntimeError):
+    """An adapter from our own publisher could not be delivered, even by asking for `latest`."""
 
 
 @dataclass
 class Adapter:
+    """One version of the policy's LoRA adapter, as it travels from the learner to the actors."""
+
     version: int
     base_model: str
     config: dict[str, Any]
     tensors: dict  # name -> torch.Tensor (PEFT state-dict names)
 
 
-def encode_adapter(adapter: Adapter, key: bytes | None = None) -> bytes:
-    from safetensors.torch import save
+def encode_adapter(adapter: Adapter, key: bytes | None = None, *, dtype: str | None = None,
+                   chunk_bytes: int | None = None, max_chunks: int | None = None) -> list[list]:
+    """The chunk messages ([signed header, data]) that carry `adapter`; floating tensors cast to
+    `dtype` (one of WIRE_DTYPES). Chunks of `chunk_bytes`, made larger (up to the frame cap) where
+    the adapter would need more than `max_chunks`. ValueError for an adapter without tensors, or
+    one that does not fit `max_chunks` frames."""
+    import torch
 
-    blob = save({k: v.detach().contiguous().cpu() for k, v in adapter.tensors.items()})
-    return pack("adapter", key=key, version=adapter.version, base_model=adapter.base_model,
-                config=adapter.config, tensors=blob)
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"wire dtype {dtype!r}: choose one of {WIRE_DTYPES}")
+    if not adapter.tensors:
+        raise ValueError(f"adapter version {adapter.version} has no tensors: nothing to publish "
+                         "(does the LoRA config target any module of the model?)")
+    blob = to_safetensors(adapter.tensors, getattr(torch, dtype) if dtype else None)
+    chunk = chunk_bytes or min(CHUNK_BYTES, wire.MAX_FRAME)
+    if max_chunks:
+        chunk = min(wire.MAX_FRAME, max(chunk, -(-len(blob) // max_chunks)))
+        if -(-len(blob) // chunk) > max_chunks:
+            raise ValueError(f"adapter version {adapter.version} ({len(blob)} bytes) needs more than {max_chunks} "
+                             f"chunks of the {wire.MAX_FRAME}-byte frame cap: raise the publisher's hwm")
+    return chunk_messages(blob, adapter.version, adapter.base_model, adapter.config, key, chunk)
 
 
-def decode_adapter(frame: bytes, key: bytes | None = None) -> Adapter:
-    from safetensors.torch import load
-
-    msg = unpack(frame, ("adapter",), key=key)
-    version, base, config, blob = (msg.get(k) for k in ("version", "base_model", "config", "tensors"))
-    if not isinstance(version, int) or version < 0 or not isinstance(base, str) \
-            or not isinstance(config, dict) or not isinstance(blob, bytes):
-        raise WireError("adapter frame: bad header fields")
-    try:
-        tensors = load(blob)
-    except Exception as exc:
-        raise WireError(f"adapter frame: tensors are not safetensors ({exc})") from None
-    return Adapter(version, base, config, tensors)
+def decode_adapter(messages: list[list], key: bytes | None = None) -> Adapter:
+    """The adapter carried by `messages` (from `encode_adapter`, in order). WireError if they are
+    not signed, schema-conforming chunks; BrokenAdapter (a WireError) if they are our publisher's
+    but do not make a whole adapter."""
+    asm = None
+    for parts in messages:
+        head, data = read_chunk(parts, key)
+        if asm is None:
+            asm = Assembly(head)
+        elif head.version != asm.version:
+            raise BrokenAdapter(asm.version, f"versions {asm.version} and {head.version} mixed in one adapter")
+        asm.add(head, data)
+    if asm is None:
+        raise WireError("no adapter chunks")
+    base_model, config, tensors = asm.finish()
+    return Adapter(asm.version, base_model, config, tensors)
 
 
 class WeightSource(Protocol):
@@ -66,22 +123,45 @@ class WeightSource(Protocol):
     def poll(self) -> Adapter | None:
         """The newest adapter published since the last call, or None (never blocks)."""
 
+    def wait(self, timeout: float) -> Adapter | None:
+        """Like `poll`, but block up to `timeout` seconds for a newer adapter."""
+
     def latest(self, timeout: float) -> Adapter | None:
         """Ask the publisher for its current adapter (None if it has published none)."""
 
 
 class WeightPublisher:
-    """Learner rank 0's end. `publish` is called from one thread; a helper thread answers `latest`."""
+    """Learner rank 0's end. `publish` is called from one thread; a helper thread answers `latest`.
+
+    Usage::
+
+        publisher = WeightPublisher(host, key=run_key, dtype="bfloat16")
+        endpoints = publisher.endpoints               # (pub, latest): what subscribers connect to
+        publisher.publish(Adapter(version, base_model, lora_config, tensors))   # after each step
+        publisher.close()
+
+    `dtype` casts floating tensors for the wire (one of WIRE_DTYPES); `chunk_bytes` is the chunk
+    size; `hwm` the chunks each subscriber's queue holds (fixed at bind); `announce_s` the period
+    of the announcements of the newest version."""
 
     def __init__(self, host: str = "127.0.0.1", pub_port: int = 0, req_port: int = 0,
-                 key: bytes | None = None) -> None:
-        self.key = key
+                 key: bytes | None = None, *, dtype: str | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 hwm: int = 64, announce_s: float = 1.0) -> None:
+        if dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire dtype {dtype!r}: choose one of {WIRE_DTYPES}")
+        if not 0 < chunk_bytes <= wire.MAX_FRAME:
+            raise ValueError(f"chunk_bytes={chunk_bytes}: must be 1 to the frame cap ({wire.MAX_FRAME})")
+        if hwm < 2:
+            raise ValueError(f"hwm={hwm}: the publisher's queue must hold at least 2 chunks")
+        self.key, self.dtype, self.chunk_bytes, self.hwm, self.announce_s = key, dtype, chunk_bytes, hwm, announce_s
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, 4)  # old adapters are worthless; newest wins
+        self._pub.setsockopt(zmq.SNDHWM, hwm)  # libzmq fixes it when binding: never changed later
         self._pub.bind(f"tcp://{host}:{pub_port or '*'}")
-        self._latest: bytes | None = None
+        self._latest: list | None = None
+        self._head: bytes | None = None
+        self._lock = threading.Lock()  # the PUB socket: `publish` sends chunks, the helper thread announcements
         self._stop = threading.Event()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -92,13 +172,27 @@ class WeightPublisher:
         self._thread.start()
 
     def publish(self, adapter: Adapter) -> int:
-        frame = encode_adapter(adapter, self.key)
-        self._latest = frame
-        self._pub.send(frame)
-        return len(frame)
+        """Send `adapter` to every subscriber and keep it for `latest`; returns its size in bytes
+        (the safetensors blob). ValueError for an adapter without tensors. The buffers are sent
+        without copying and never changed afterwards, so the caller may reuse its tensors."""
+        messages = encode_adapter(adapter, self.key, dtype=self.dtype, chunk_bytes=self.chunk_bytes,
+                                  max_chunks=self.hwm // 2)  # two adapters fit a subscriber's queue
+        self._latest = [part for parts in messages for part in parts]
+        with self._lock:
+            for parts in messages:
+                self._pub.send_multipart(parts, copy=False)
+            self._head = announcement(adapter.version, self.key)
+            self._pub.send(self._head)  # after every chunk, on the same pipes: a subscriber that
+        return sum(len(parts[1]) for parts in messages)  # lacks the version then has lost chunks
 
     def _serve(self) -> None:
+        announced = time.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() - announced > self.announce_s:
+                announced = time.monotonic()
+                with self._lock:
+                    if self._head is not None:  # for subscribers whose every chunk of it was dropped
+                        self._pub.send(self._head)
             if not self._router.poll(100):
                 continue
             frames = self._router.recv_multipart()
@@ -108,9 +202,11 @@ class WeightPublisher:
                 unpack(frames[1], ("latest",), key=self.key)
             except WireError:
                 continue  # unsigned or garbage: no adapter for strangers
-            self._router.send_multipart([frames[0], self._latest or pack("none", key=self.key)])
+            latest = self._latest  # one read: `publish` may swap it meanwhile
+            self._router.send_multipart([frames[0], *(latest or [pack("none", key=self.key)])], copy=False)
 
     def close(self) -> None:
+        """Stop answering `latest` and close the sockets."""
         self._stop.set()
         self._thread.join(5)
         self._router.close(0)
@@ -118,62 +214,179 @@ class WeightPublisher:
 
 
 class WeightSubscriber:
-    """An actor's end (also the evaluator's)."""
+    """An actor's end (also the evaluator's).
 
-    def __init__(self, endpoints: tuple[str, str] | list[str], key: bytes | None = None) -> None:
-        self.key = key
+    Usage::
+
+        weights = WeightSubscriber(endpoints, key=run_key)
+        adapter = weights.latest(timeout=30)          # at start
+        adapter = weights.poll() or adapter           # between turns; AdapterUndeliverable stops the run
+
+    `retries` requests for `latest` (each waiting up to `timeout` s) are what it takes, after an
+    adapter from our publisher fails to arrive whole, before `AdapterUndeliverable`; a partial
+    adapter that gets no new chunk for `stall_s` s has lost its tail; `hwm` is the receive queue
+    in chunks (a full queue holds the publisher back, then its own queue drops)."""
+
+    def __init__(self, endpoints: tuple[str, str] | list[str], key: bytes | None = None, *,
+                 retries: int = 3, timeout: float = 30.0, stall_s: float = 10.0, hwm: int = 32) -> None:
+        self.key, self.retries, self.timeout, self.stall_s = key, retries, timeout, stall_s
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.CONFLATE, 1)
+        self._sub.setsockopt(zmq.RCVHWM, hwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoints[0])
-        self._req_endpoint = endpoints[1]
+        self._endpoints = (endpoints[0], endpoints[1])
+        self._asm: Assembly | None = None
         self.version = -1
+        """The newest version delivered."""
         self.rejected = 0
+        """Frames rejected as a stranger's or garbage (unsigned, wrongly signed, not our schema)."""
 
-    def _accept(self, frame: bytes) -> Adapter | None:
-        try:
-            adapter = decode_adapter(frame, self.key)
-        except WireError:
-            self.rejected += 1
-            return None
+    def _deliver(self, adapter: Adapter) -> Adapter | None:
         if adapter.version <= self.version:
             return None
         self.version = adapter.version
+        if self._asm is not None and self._asm.version <= adapter.version:
+            self._asm = None
         return adapter
 
-    def poll(self) -> Adapter | None:
-        newest = None
-        while self._sub.poll(0):
-            adapter = self._accept(self._sub.recv())
-            newest = adapter or newest
-        return newest
-
-    def wait(self, timeout: float) -> Adapter | None:
-        """Block up to `timeout` for a newer adapter on the PUB channel."""
-        if self._sub.poll(int(timeout * 1000)):
-            return self.poll()
+    def _receive(self) -> Adapter | None:
+        """Drain the PUB socket into the newest version's assembly; that adapter once whole.
+        BrokenAdapter if the newest version cannot be rebuilt from what arrived."""
+        chunks, announced = [], -1
+        while True:
+            try:
+                parts = self._sub.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                if len(parts) == 1:
+                    announced = max(announced, read_announcement(parts[0], self.key))
+                else:
+                    chunks.append(read_chunk(parts, self.key))
+            except BrokenAdapter as exc:
+                chunks.append((exc, None))
+            except WireError:
+                self.rejected += 1
+        asm = self._asm
+        newest = max([c[0].version for c in chunks] + [announced, asm.version if asm else -1])
+        if newest <= self.version:
+            return None
+        for head, data in chunks:
+            if head.version != newest:
+                continue  # superseded: never hashed
+            if isinstance(head, BrokenAdapter):
+                raise head
+            if asm is None or asm.version < newest:
+                asm = self._asm = Assembly(head)
+            asm.add(head, data)
+        if asm is not None and asm.version == newest:
+            asm.check()
+            if asm.complete:
+                base_model, config, tensors = asm.finish()
+                return self._deliver(Adapter(newest, base_model, config, tensors))
+        lost = f"chunks {asm.missing()} of {asm.count}" if asm is not None and asm.version == newest else "its chunks"
+        if announced == newest:  # announcements follow every chunk of their version
+            raise BrokenAdapter(newest, f"the publisher announced it, but {lost} were dropped on the way")
+        if asm is not None and time.monotonic() - asm.updated > self.stall_s:
+            raise BrokenAdapter(newest, f"{lost} did not arrive within {self.stall_s:g} s of the last one")
         return None
 
-    def latest(self, timeout: float) -> Adapter | None:
+    def poll(self) -> Adapter | None:
+        """The newest adapter published since the last call, or None. Never blocks, except to ask
+        for `latest` when an adapter did not arrive whole (AdapterUndeliverable if that fails)."""
+        try:
+            return self._receive()
+        except BrokenAdapter as exc:
+            self._asm = None
+            return self._recover(exc)
+
+    def wait(self, timeout: float) -> Adapter | None:
+        """Block up to `timeout` seconds for a newer adapter (None if none came)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            adapter = self.poll()
+            left = deadline - time.monotonic()
+            if adapter is not None or left <= 0:
+                return adapter
+            if self._asm is not None:  # wake up in time to notice a stall
+                left = min(left, max(0.01, self._asm.updated + self.stall_s - time.monotonic()))
+            self._sub.poll(max(1, int(left * 1000)))
+
+    def _fetch(self, timeout: float) -> tuple[str, Any]:
+        """One "latest" request: ("ok", Adapter), ("none", None), or ("timeout" | "stranger" |
+        "broken", what went wrong)."""
         req = self._ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
         try:
-            req.connect(self._req_endpoint)
+            req.connect(self._endpoints[1])
             req.send(pack("latest", key=self.key))
             if not req.poll(int(timeout * 1000)):
-                return None
-            frame = req.recv()
+                return "timeout", f"no answer to 'latest' within {timeout:g} s"
+            parts = req.recv_multipart(copy=False)
         finally:
             req.close(0)
         try:
-            if unpack(frame, key=self.key).get("type") == "none":
-                return None
-        except WireError:
+            if len(parts) == 1:
+                unpack(parts[0].bytes, ("none",), key=self.key)
+                return "none", None
+            if len(parts) % 2:
+                raise WireError(f"a 'latest' reply of {len(parts)} frames")
+            return "ok", decode_adapter([parts[i:i + 2] for i in range(0, len(parts), 2)], self.key)
+        except BrokenAdapter as exc:
+            return "broken", exc
+        except WireError as exc:
             self.rejected += 1
-            return None
-        return self._accept(frame)
+            return "stranger", f"the 'latest' reply was rejected ({exc})"
+
+    def latest(self, timeout: float) -> Adapter | None:
+        """Ask the publisher for its current adapter: None if it has published none, if the answer
+        is not newer than `version`, or if none came within `timeout` s (or came from a stranger).
+        An adapter of ours that arrives broken is asked for again, up to `retries` times in all,
+        then AdapterUndeliverable."""
+        broken, reasons = None, []
+        for attempt in range(1, self.retries + 1):
+            status, got = self._fetch(timeout)
+            if status == "ok":
+                return self._deliver(got)
+            if broken is None and status != "broken":
+                return None  # nothing, or no answer: as before, not an error
+            broken = got if status == "broken" else broken
+            reasons.append(self._why(status, got))
+            if status == "none":
+                break
+            time.sleep(min(1.0, 0.1 * 2 ** attempt))
+        raise self._undeliverable(broken.version, reasons, attempt)
+
+    def _recover(self, broken: BrokenAdapter) -> Adapter | None:
+        """`broken` came from our publisher: ask for `latest` until an adapter at least as new
+        arrives whole, `retries` times at most, then AdapterUndeliverable."""
+        reasons = [broken.reason]
+        for attempt in range(1, self.retries + 1):
+            status, got = self._fetch(self.timeout)
+            if status == "ok" and got.version >= broken.version:
+                return self._deliver(got)
+            reasons.append(self._why(status, got))
+            time.sleep(min(1.0, 0.1 * 2 ** attempt))
+        raise self._undeliverable(broken.version, reasons, self.retries)
+
+    @staticmethod
+    def _why(status: str, got) -> str:
+        if status == "ok":
+            return f"'latest' answered with the older version {got.version}"
+        if status == "none":
+            return "'latest' answered that nothing is published"
+        return f"'latest' answered with it, but {got.reason}" if status == "broken" else got
+
+    def _undeliverable(self, version: int, reasons: list[str], asked: int) -> AdapterUndeliverable:
+        return AdapterUndeliverable(
+            f"adapter version {version} from the weight publisher at {self._endpoints[0]} / {self._endpoints[1]} "
+            f"could not be delivered (this subscriber has version {self.version}; it asked for 'latest' {asked} "
+            f"times): {'; '.join(reasons)}. Check that the learner (rank 0) is alive and publishing, that "
+            "only one learner publishes there, that every part runs the same Tandem version with the same run "
+            "key, and that the network between them neither drops nor alters data.")
 
     def close(self) -> None:
+        """Close the socket."""
         self._sub.close(0)
