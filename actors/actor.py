@@ -98,13 +98,13 @@ class ActorConfig:
     enforce_eager: bool = False
     """vLLM: run the model eagerly (no CUDA graphs or compilation): a faster start, slower decoding."""
 
-    def engine_options(self, lora_rank: int) -> dict:
+    def engine_options(self) -> dict:
         """Keyword arguments of `make_engine` for --actor.engine, from this section."""
         if self.engine == "torch":
             return {"dtype": "float32" if self.dtype == "auto" else self.dtype,
                     "recompute_kv": self.recompute_kv, "merge_lora": self.merge_lora}
         return {"dtype": self.dtype, "memory_fraction": self.memory_fraction, "kv_cache_gb": self.kv_cache_gb,
-                "max_model_len": self.max_tokens, "max_lora_rank": self.max_lora_rank or lora_rank,
+                "max_model_len": self.max_tokens, "max_lora_rank": self.max_lora_rank,
                 "max_loras": self.max_loras, "in_flight": self.in_flight, "threads": self.threads,
                 "enforce_eager": self.enforce_eager}
 
@@ -195,7 +195,7 @@ class Actor:
             waited = 0.0
             t0 = time.perf_counter()
             n = self._step(self.engine, self.chat, [e for g in live for e in g.episodes], self.params,
-                     self.cfg.max_tokens, self.runner)
+                           self.cfg.max_tokens, self.runner)
             with self._lock:
                 self._stats["turn_s"] += time.perf_counter() - t0
                 self._stats["episode_turns"] += n

@@ -82,7 +82,7 @@ def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int) -> flo
     # runs, as it does from the first update of a run on, and the episodes are the warm start's.
     adapter = {k: v.zero_() for k, v in random_adapter(model_path, cfg.learner.lora).items()}
     engine = make_engine(kind, model_path, cfg.learner.lora, seed=seed,
-                         **actor_cfg.engine_options(cfg.learner.lora.rank))
+                         **actor_cfg.engine_options())
     try:
         chat = Chat(load_tokenizer(model_path))
         kwargs = cfg.env_kwargs()

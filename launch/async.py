@@ -72,11 +72,19 @@ def main(cfg: Config) -> int:
         ray.init(num_cpus=max(os.cpu_count() or 1, parts), include_dashboard=False,
                  runtime_env={"env_vars": env_vars}, log_to_driver=True, logging_level="warning")
     _catch_interrupts()  # after ray.init, which installs handlers of its own
+    actor_gpus = 1 if cfg.actor.device == "cuda" else 0  # each actor's engine on a GPU of its own
+    have = ray.cluster_resources().get("GPU", 0)
+    if cfg.actors * actor_gpus > have:
+        ray.shutdown()
+        print(f"error: --actor.device cuda gives each of the {cfg.actors} actors a GPU of its own; "
+              f"the Ray cluster has {have:g}. Use fewer --actors, more GPUs, or --actor.device cpu.",
+              file=sys.stderr)
+        return 2
     board = Board(logdir, cfg.steps)
     try:
         Replay = ray.remote(num_cpus=1)(ReplayPart)
         Learner = ray.remote(num_cpus=1, max_concurrency=2)(LearnerPart)
-        Actor = ray.remote(num_cpus=1, max_concurrency=2)(ActorPart)
+        Actor = ray.remote(num_cpus=1, num_gpus=actor_gpus, max_concurrency=2)(ActorPart)
         key = secrets.token_bytes(32) if cfg.replay.sign else None  # this run's frame-signing key
         replay = Replay.remote(cfg, key)
         endpoint = ray.get(replay.address.remote())

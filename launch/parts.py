@@ -92,7 +92,7 @@ class ActorPart:
         name = f"actor-{index}"
         replay = ZmqReplayClient(replay_endpoint, actor=name, key=key, arena_bytes=cfg.replay.arena_mb << 20)
         engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device,
-                             seed=cfg.seed * 1000 + index, **cfg.actor.engine_options(cfg.learner.lora.rank))
+                             seed=cfg.seed * 1000 + index, **cfg.actor.engine_options())
         kwargs = cfg.env_kwargs()
         self.actor = Actor(cfg.actor, name, engine, Chat(load_tokenizer(model_path)),
                            lambda: make_env(cfg.env, **kwargs), replay,

@@ -47,6 +47,14 @@ def test_command_line_fails_fast(args, message):
     assert message in run.stdout + run.stderr
 
 
+def test_actors_on_gpus_the_cluster_lacks_fail_at_start(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "launch.async", "--actor.device", "cuda", "--actors", "2",
+                          "--model", "builtin:tiny", "--logdir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "gives each of the 2 actors a GPU of its own; the Ray cluster has 0" in run.stderr
+
+
 def test_help_lists_the_headline_flags():
     run = subprocess.run([sys.executable, "-m", "launch.async", "--help"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0
