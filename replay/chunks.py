@@ -1,22 +1,33 @@
 """An adapter on the wire: safetensors bytes cut into chunks that each fit the frame cap.
 
-The weight channel (replay/weights.py) sends an adapter as `count` messages of two frames:
+The weight channel (replay/weights.py) sends an adapter (format 2) as `count` messages of two
+frames, then one frame that commits it:
 
-    [header, data]   header = pack("adapter_chunk", version, index, count, total, digest, sha,
+    [header, data]   header = pack("adapter_chunk.v2", version, index, count, total, mac,
                                    base_model and config on chunk 0), signed with the run's key
                      data   = bytes [index·chunk, (index+1)·chunk) of the safetensors blob
+    [commit]         commit = pack("adapter_commit.v2", version, count, total, digest), signed
 
-and, after them and then every `announce_s`, a one-frame announcement pack("adapter_head", version).
+and the commit again every `announce_s` (it is also the announcement of the newest version).
 
 Decisions, and why:
 
-- **One hash pass.** `sha` is the SHA-256 of this chunk's data; `digest`, the adapter's digest,
-  is the SHA-256 of the chunks' `sha`s in order (a hash list, as BitTorrent's pieces). Every
-  header carries `digest`, and is signed (HMAC-SHA256 over the header, replay.wire's `pack`), so
-  a chunk's data is authenticated through its signed `sha` (as strong as an HMAC over the data
-  while SHA-256 resists collisions), at the cost of hashing every byte once, not twice (an HMAC, then a whole-blob SHA-256). On a
-  small machine that pass is most of what the channel costs beyond the socket (bench/weights.py,
-  docs/weights.md); the chunks also hash in parallel on the publisher.
+- **BLAKE3, keyed.** `mac` is the BLAKE3 of this chunk's data in keyed mode, under a key derived
+  from the run's key (BLAKE3's derive_key mode, context "tandem adapter chunk v1"): a MAC that
+  authenticates the data itself; without a run key it is the plain BLAKE3, an integrity check.
+  The header is signed as every frame (HMAC-SHA256, replay.wire's `pack`), so it binds the data's
+  MAC to its version and index. BLAKE3 runs at ~4 GiB/s a core where SHA-256 runs at ~1.6; every
+  byte is still hashed once on each side, and on a small machine that pass is most of what the
+  channel costs beyond the socket (bench/weights.py, docs/weights.md).
+- **Sent as hashed.** The adapter's `digest` (keyed BLAKE3 of the chunks' MACs in order, a hash
+  list as BitTorrent's pieces) travels in the commit, after the last chunk, not in every header:
+  the publisher hashes chunk i, sends it, hashes chunk i + 1, and ZeroMQ's I/O thread sends while
+  it hashes. The subscriber checks each chunk as it arrives and delivers the adapter only once
+  the commit has come and its count, length and digest match what arrived: chunks of two
+  different adapters that claim one version (two learners) do not add up to one digest.
+- **Formats never mix.** Format 1 (SHA-256 digests, "adapter_chunk" / "adapter_head") is not read:
+  a signed frame of it is a `BrokenAdapter` that names the format, so that a learner and actors
+  of different Tandem versions stop with that message rather than drop each other's frames.
 - **No copies.** The publisher writes the safetensors blob itself, casting to the wire dtype in
   the same pass, into one buffer that ZeroMQ sends without copying. The subscriber keeps the
   chunk frames as ZeroMQ received them, and the decoded tensors are views of them: only a tensor
@@ -24,16 +35,17 @@ Decisions, and why:
   documented format: 8-byte header length, JSON header, contiguous little-endian data), and a
   test pins that `safetensors` reads what we write and we read what it writes.
 - **What a failure means.** A frame that is unsigned, wrongly signed or not our schema is a
-  stranger's or garbage: `WireError`, rejected and counted. A chunk whose header is signed and
-  well formed comes from our publisher (without a key: any chunk of our schema); if its adapter cannot be rebuilt (a chunk missing or
-  corrupt, digests that do not add up, bytes that are not safetensors, header fields of the wrong
-  type) that is `BrokenAdapter`, which the subscriber must not swallow.
+  stranger's or garbage: `WireError`, rejected and counted. A frame whose header is signed and
+  well formed comes from our publisher (without a key: any frame of our schema); if its adapter
+  cannot be rebuilt (a chunk missing or corrupt, a commit that never comes, digests that do not
+  add up, bytes that are not safetensors, header fields of the wrong type, the old format) that
+  is `BrokenAdapter`, which the subscriber must not swallow.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
+import functools
 import json
 import math
 import os
@@ -41,16 +53,22 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
+
+import blake3
 
 from replay import wire
 from replay.wire import WireError, pack, unpack
 
 CHUNK_BYTES = 16 << 20
 """Data bytes per chunk (16 MiB): well under the frame cap, small enough to pipeline."""
+CHUNK, COMMIT = "adapter_chunk.v2", "adapter_commit.v2"
+"""Message types of format 2 (BLAKE3); format 1's are refused by name (_OLD)."""
+_OLD = ("adapter_chunk", "adapter_head")
 _DIGEST = 32
+_KEY_CONTEXT = "tandem adapter chunk v1"
 _MAX_HEADER = 100 << 20  # as the safetensors library: a JSON header past this is not an adapter
-_HASH_THREADS = min(4, os.cpu_count() or 1)
+_COPY_THREADS = min(4, os.cpu_count() or 1)
 
 
 class BrokenAdapter(WireError):
@@ -73,6 +91,16 @@ def to_safetensors(tensors: dict, dtype=None) -> memoryview:
     """`tensors` as safetensors bytes, in one new buffer (floating tensors cast to `dtype`, a torch
     dtype, in the same copy). Names are sorted by element size, then name, as the library does,
     so that every tensor's data is aligned to its element size."""
+    blob, ready = write_safetensors(tensors, dtype)
+    ready(len(blob))
+    return blob
+
+
+def write_safetensors(tensors: dict, dtype=None) -> tuple[memoryview, Callable[[int], None]]:
+    """`to_safetensors`, written in the background: (the buffer, `ready`), where `ready(n)` waits
+    until its first n bytes are written (the tensors are copied in the order they lie in it), so
+    that the first chunks can leave while the last are written. ValueError at once for tensors
+    that cannot travel."""
     import torch
 
     assert sys.byteorder == "little", "safetensors data is little-endian"
@@ -103,9 +131,17 @@ def to_safetensors(tensors: dict, dtype=None) -> memoryview:
         if hi > lo:
             buf[start + lo:start + hi].view(target).view(t.shape).copy_(t)
 
-    with ThreadPoolExecutor(_HASH_THREADS) as pool:
-        list(pool.map(fill, items))
-    return memoryview(buf.numpy())
+    pool = ThreadPoolExecutor(_COPY_THREADS)  # runs its jobs in the order submitted
+    jobs = [(start + header[item[1]]["data_offsets"][0], pool.submit(fill, item)) for item in items]
+    pool.shutdown(wait=False)  # its threads end when the last job is done
+
+    def ready(n: int) -> None:
+        for lo, job in jobs:
+            if lo >= n:
+                break
+            job.result()
+
+    return memoryview(buf.numpy()), ready
 
 
 class _Pieces:
@@ -182,20 +218,44 @@ def from_safetensors(pieces: list) -> dict:
     return tensors
 
 
-def _sha(data) -> bytes:
-    return hashlib.sha256(data).digest()  # hashlib releases the GIL on large buffers
+@functools.lru_cache(maxsize=4)
+def _mac_key(key: bytes | None) -> bytes | None:
+    """The BLAKE3 key of the chunks' MACs, derived from the run's key (None: no key, plain BLAKE3)."""
+    return None if key is None else blake3.blake3(key, derive_key_context=_KEY_CONTEXT).digest()
+
+
+def _mac(data, key: bytes | None) -> bytes:
+    """Keyed BLAKE3 of `data` under the run key's derived key (plain BLAKE3 without a key). The
+    hash releases the GIL on large buffers, so ZeroMQ and other threads run meanwhile."""
+    mac_key = _mac_key(key)
+    return (blake3.blake3(data) if mac_key is None else blake3.blake3(data, key=mac_key)).digest()
+
+
+def _digest(macs: list[bytes], key: bytes | None) -> bytes:
+    return _mac(b"".join(macs), key)
+
+
+def stream_messages(blob: memoryview, version: int, base_model: str, config: dict, key: bytes | None,
+                    chunk_bytes: int = CHUNK_BYTES, ready: Callable[[int], None] | None = None) -> Iterator[list]:
+    """The messages that carry `blob`, made as they are taken: [signed header, data view] for
+    each chunk of `chunk_bytes` (hashed when its turn comes, so the first leaves before the last
+    is hashed; with `ready` from `write_safetensors`, once its bytes are written), then [signed
+    commit]."""
+    count, macs = -(-len(blob) // chunk_bytes), []
+    for i in range(count):
+        if ready is not None:
+            ready((i + 1) * chunk_bytes)
+        piece = blob[i * chunk_bytes:(i + 1) * chunk_bytes]
+        macs.append(_mac(piece, key))
+        yield [pack(CHUNK, key=key, version=version, index=i, count=count, total=len(blob), mac=macs[-1],
+                    **({"base_model": base_model, "config": config} if i == 0 else {})), piece]
+    yield [commit(Commit(version, count, len(blob), _digest(macs, key)), key)]
 
 
 def chunk_messages(blob: memoryview, version: int, base_model: str, config: dict, key: bytes | None,
                    chunk_bytes: int = CHUNK_BYTES) -> list[list]:
-    """The messages ([signed header, data view]) that carry `blob`, `chunk_bytes` of data each."""
-    pieces = [blob[i:i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)]
-    with ThreadPoolExecutor(min(_HASH_THREADS, len(pieces))) as pool:
-        shas = list(pool.map(_sha, pieces))
-    digest = _sha(b"".join(shas))
-    return [[pack("adapter_chunk", key=key, version=version, index=i, count=len(pieces), total=len(blob),
-                  digest=digest, sha=sha, **({"base_model": base_model, "config": config} if i == 0 else {})),
-             piece] for i, (piece, sha) in enumerate(zip(pieces, shas))]
+    """All of `stream_messages`: the chunk messages, then the commit."""
+    return list(stream_messages(blob, version, base_model, config, key, chunk_bytes))
 
 
 @dataclass
@@ -206,27 +266,52 @@ class ChunkHead:
     index: int
     count: int
     total: int
-    digest: bytes
-    sha: bytes
+    mac: bytes
     base_model: str | None = None
     config: dict | None = None
+
+
+@dataclass
+class Commit:
+    """The checked commit of one version: what its chunks must add up to."""
+
+    version: int
+    count: int
+    total: int
+    digest: bytes
 
 
 def _buffer(part) -> memoryview:
     return part.buffer if hasattr(part, "buffer") else memoryview(part)  # a zmq.Frame, or bytes
 
 
-def announcement(version: int, key: bytes | None) -> bytes:
-    """The one-frame message that says `version` is the newest published (after all its chunks)."""
-    return pack("adapter_head", key=key, version=version)
-
-
-def read_announcement(frame, key: bytes | None) -> int:
-    """The version an announcement names; WireError if it is not a signed, well-formed one."""
-    version = unpack(_buffer(frame).tobytes(), ("adapter_head",), key=key).get("version")
+def _read(frame, msg_type: str, key: bytes | None) -> tuple[int, dict]:
+    """(version, fields) of a signed frame of `msg_type`. WireError for a stranger's or garbage;
+    BrokenAdapter for a signed frame of format 1."""
+    msg = unpack(_buffer(frame).tobytes(), (msg_type, *_OLD), key=key)
+    version = msg.get("version")
     if type(version) is not int or version < 0:
-        raise WireError("adapter announcement: no valid version")
-    return version
+        raise WireError(f"{msg_type}: no valid version")
+    if msg["type"] in _OLD:
+        raise BrokenAdapter(version, f"it came in format 1 ({msg['type']!r}, SHA-256 digests), and this "
+                                     "subscriber reads format 2 (BLAKE3): the learner runs an older Tandem")
+    return version, msg
+
+
+def commit(done: Commit, key: bytes | None) -> bytes:
+    """The one-frame message that commits `done.version` (after all its chunks, and as the
+    periodic announcement of the newest version)."""
+    return pack(COMMIT, key=key, version=done.version, count=done.count, total=done.total, digest=done.digest)
+
+
+def read_commit(frame, key: bytes | None) -> Commit:
+    """The commit a frame holds; WireError if it is not a signed, well-formed one."""
+    version, msg = _read(frame, COMMIT, key)
+    count, total, digest = msg.get("count"), msg.get("total"), msg.get("digest")
+    if type(count) is not int or type(total) is not int or count < 1 or total < 0 \
+            or not isinstance(digest, bytes) or len(digest) != _DIGEST:
+        raise BrokenAdapter(version, "its commit's count, total or digest is wrong or of the wrong type")
+    return Commit(version, count, total, digest)
 
 
 def read_chunk(parts: list, key: bytes | None) -> tuple[ChunkHead, memoryview]:
@@ -234,22 +319,18 @@ def read_chunk(parts: list, key: bytes | None) -> tuple[ChunkHead, memoryview]:
     chunk (a stranger's, or garbage); BrokenAdapter if it is, but its fields are wrong."""
     if len(parts) != 2:
         raise WireError(f"adapter chunk: expected 2 frames (header, data), got {len(parts)}")
-    msg = unpack(_buffer(parts[0]).tobytes(), ("adapter_chunk",), key=key)
-    version = msg.get("version")
-    if type(version) is not int or version < 0:
-        raise WireError("adapter chunk: no valid version")
-    fields = [msg.get(k) for k in ("index", "count", "total", "digest", "sha")]
-    index, count, total, digest, sha = fields
-    if not all(type(x) is int for x in fields[:3]) or not all(isinstance(x, bytes) and len(x) == _DIGEST
-                                                             for x in fields[3:]):
-        raise BrokenAdapter(version, "a chunk header's index, count, total or digests have the wrong type")
+    version, msg = _read(parts[0], CHUNK, key)
+    fields = [msg.get(k) for k in ("index", "count", "total", "mac")]
+    index, count, total, mac = fields
+    if not all(type(x) is int for x in fields[:3]) or not isinstance(mac, bytes) or len(mac) != _DIGEST:
+        raise BrokenAdapter(version, "a chunk header's index, count, total or MAC have the wrong type")
     if not 0 <= index < count or total < 0:
         raise BrokenAdapter(version, f"chunk header out of range (index {index}, count {count}, total {total})")
     data = _buffer(parts[1])
     if len(data) > wire.MAX_FRAME:
         raise BrokenAdapter(version, f"chunk {index} holds {len(data)} bytes, over the {wire.MAX_FRAME}-byte "
                                      "frame cap: the publisher's chunk size must be below it")
-    head = ChunkHead(version, index, count, total, digest, sha)
+    head = ChunkHead(version, index, count, total, mac)
     if index == 0:
         head.base_model, head.config = msg.get("base_model"), msg.get("config")
         if not isinstance(head.base_model, str) or not isinstance(head.config, dict):
@@ -269,71 +350,92 @@ def _ranges(indexes: list[int]) -> str:
 
 
 class Assembly:
-    """One version's chunks as they arrive, each checked against its signed digest, then the whole.
+    """One version's chunks as they arrive, each checked against its signed MAC, then the whole
+    against the commit.
 
     Usage::
 
-        asm = Assembly(head)
+        asm = Assembly(head, key)
         asm.add(head, data)          # for each chunk of head.version, in the order sent
         asm.check()                  # hash the chunks added since the last check
-        if asm.complete:
+        asm.seal(commit)             # the version's commit, after its last chunk
+        if asm.ready:
             base_model, config, tensors = asm.finish()
 
     Every method raises BrokenAdapter when the chunks cannot become that version's adapter."""
 
-    def __init__(self, head: ChunkHead) -> None:
-        self.version, self.count, self.total, self.digest = head.version, head.count, head.total, head.digest
+    def __init__(self, head: ChunkHead, key: bytes | None) -> None:
+        self.version, self.count, self.total, self.key = head.version, head.count, head.total, key
         self.data: dict[int, memoryview] = {}
-        self.shas: dict[int, bytes] = {}
+        self.macs: dict[int, bytes] = {}
         self.first: ChunkHead | None = None
+        self.commit: Commit | None = None
         self._unchecked: list[int] = []
         self.updated = time.monotonic()
-        """When the last chunk was added (a stalled assembly has lost its tail)."""
+        """When the last chunk was added (a stalled assembly has lost its tail, or its commit)."""
 
     def missing(self) -> str:
         """The indexes not received yet, as ranges ("3-5, 9")."""
         return _ranges([i for i in range(self.count) if i not in self.data])
 
+    def _same(self, count: int, total: int) -> None:
+        if (count, total) != (self.count, self.total):
+            raise BrokenAdapter(self.version, "chunks of two different adapters claim this version (their count "
+                                              "or length differ): is more than one learner publishing?")
+
     def add(self, head: ChunkHead, data: memoryview) -> None:
         """Add a chunk of this version. Chunks come in order on one connection, so a gap means the
         ones between were dropped (a subscriber past its high-water mark, a reconnect, a late join)."""
         assert head.version == self.version
-        if (head.count, head.total, head.digest) != (self.count, self.total, self.digest):
-            raise BrokenAdapter(self.version, "chunks of two different adapters claim this version (their count, "
-                                              "length or digest differ): is more than one learner publishing?")
+        self._same(head.count, head.total)
         if head.index in self.data:
             raise BrokenAdapter(self.version, f"chunk {head.index} of {self.count} arrived twice")
         if head.index != len(self.data):
             raise BrokenAdapter(self.version, f"chunks {_ranges(list(range(len(self.data), head.index)))} of "
                                               f"{self.count} never arrived (dropped on the way)")
-        self.data[head.index], self.shas[head.index] = data, head.sha
+        self.data[head.index], self.macs[head.index] = data, head.mac
         self.first = self.first or (head if head.index == 0 else None)
         self._unchecked.append(head.index)
         self.updated = time.monotonic()
 
     def check(self) -> None:
-        """Hash the chunks added since the last call against their signed digests."""
+        """Hash the chunks added since the last call against their signed MACs."""
         for i in self._unchecked:
-            if _sha(self.data[i]) != self.shas[i]:
+            if _mac(self.data[i], self.key) != self.macs[i]:
                 raise BrokenAdapter(self.version, f"chunk {i} of {self.count} does not match its digest "
                                                   "(corrupted on the way)")
         self._unchecked = []
+
+    def seal(self, done: Commit) -> None:
+        """Take this version's commit (it comes after the last chunk, and again periodically)."""
+        assert done.version == self.version
+        self._same(done.count, done.total)
+        self.commit = done
 
     @property
     def complete(self) -> bool:
         """Whether every chunk is here."""
         return len(self.data) == self.count
 
+    @property
+    def ready(self) -> bool:
+        """Whether every chunk and the commit are here."""
+        return self.complete and self.commit is not None
+
     def finish(self) -> tuple[str, dict, dict]:
-        """(base model id, adapter config, tensors) once every chunk is here and checked."""
+        """(base model id, adapter config, tensors) once every chunk is here and checked, and the
+        commit says they are the adapter."""
         self.check()
         if not self.complete:
             raise BrokenAdapter(self.version, f"chunks {self.missing()} of {self.count} never arrived")
+        if self.commit is None:
+            raise BrokenAdapter(self.version, "every chunk arrived, but not the commit that follows them")
         size = sum(len(d) for d in self.data.values())
         if size != self.total:
             raise BrokenAdapter(self.version, f"the chunks hold {size} bytes, the header says {self.total}")
-        if _sha(b"".join(self.shas[i] for i in range(self.count))) != self.digest:
-            raise BrokenAdapter(self.version, "the chunks' digests do not add up to the adapter's digest")
+        if _digest([self.macs[i] for i in range(self.count)], self.key) != self.commit.digest:
+            raise BrokenAdapter(self.version, "the chunks' digests do not add up to the adapter's digest "
+                                              "in its commit")
         try:
             tensors = from_safetensors([self.data[i] for i in range(self.count)])
         except ValueError as exc:

@@ -4,10 +4,12 @@ An adapter is a header {version, base model id, adapter config} and its tensors 
 bytes (never pickle), cut into chunks (16 MiB by default, never over the 64 MiB frame cap), so
 that adapters of any LoRA size travel (an 8B model's r = 32 adapter is ~333 MB in fp32; the
 defaults carry up to 2 GiB, see below, and refuse more with a ValueError). Each chunk's
-header carries the version, the chunk's index, the chunk count, the total length and the SHA-256
-digests of the chunk and of the whole adapter, and is signed with the run's key (replay/chunks.py
-has the format and why it is shaped so). With `dtype`, the publisher casts floating tensors for
-the wire (bf16 when the learner trains in bf16); without it, tensors travel as they are.
+header carries the version, the chunk's index, the chunk count, the total length and the keyed
+BLAKE3 (a MAC under a key derived from the run's key) of the chunk's data, and is signed with the
+run's key; after the last chunk a signed commit carries the adapter's digest (replay/chunks.py
+has the format and why it is shaped so). The publisher hashes each chunk just before sending
+it, so the first leaves while the rest are hashed. With `dtype`, the publisher casts floating
+tensors for the wire (bf16 when the learner trains in bf16); without it, tensors travel as they are.
 
 The publisher binds a PUB socket (every subscriber gets each new version as it is published) and
 a ROUTER socket that answers "latest" requests with the current adapter, all its chunks in one
@@ -15,10 +17,11 @@ multipart reply: a PUB socket drops messages to late joiners, so a new or restar
 for the current adapter when it starts. ZeroMQ's CONFLATE keeps one message, which breaks
 multi-part streams, so the subscriber keeps the newest version itself: chunks of a newer version
 discard an older partial one, and `poll` hashes only the newest version's chunks. After the
-chunks, and then every `announce_s`, the publisher announces the newest version (one small signed
-frame on the same PUB socket, so it arrives after every chunk of that version that was not
-dropped): a subscriber that lacks the version then knows that chunks were dropped, even all of
-them, and asks for `latest`; a partial version that gets no chunk for `stall_s` also counts as
+chunks, and then every `announce_s`, the publisher sends the newest version's commit (one small
+signed frame on the same PUB socket, so it arrives after every chunk of that version that was not
+dropped): a subscriber delivers an adapter once it has every chunk and the commit; one that lacks
+chunks of the committed version then knows that they were dropped, even all of them, and asks for
+`latest`; a partial version that gets no chunk (or no commit) for `stall_s` also counts as
 dropped (a publisher that stopped mid-adapter).
 
 High-water marks count messages (chunks), and libzmq fixes a bound socket's when it binds, before
@@ -30,10 +33,11 @@ one that stops reading holds at most `hwm` chunks of the publisher's memory, the
 
 Nothing fails silently. A frame that is unsigned, wrongly signed or not our schema is a
 stranger's or garbage: it is rejected and counted (`rejected`). An adapter from our own
-publisher that does not arrive whole (a chunk dropped or corrupt, digests that do not add up,
-bytes that are not safetensors) makes the subscriber ask for `latest`, a bounded number of times
-with a timeout; if it still has no good adapter it raises `AdapterUndeliverable`, which stops
-the actor and the run with a message that says which version, why, and what to check.
+publisher that does not arrive whole (a chunk dropped or corrupt, a commit that never comes,
+digests that do not add up, bytes that are not safetensors) makes the subscriber ask for
+`latest`, a bounded number of times with a timeout; if it still has no good adapter it raises
+`AdapterUndeliverable`, which stops the actor and the run with a message that says which
+version, why, and what to check.
 """
 
 from __future__ import annotations
@@ -41,13 +45,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import zmq
 
 from replay import wire
-from replay.chunks import (CHUNK_BYTES, Assembly, BrokenAdapter, announcement, chunk_messages,
-                           read_announcement, read_chunk, to_safetensors)
+from replay.chunks import (CHUNK_BYTES, Assembly, BrokenAdapter, read_chunk, read_commit, stream_messages,
+                           write_safetensors)
 from replay.wire import WireError, pack, unpack
 
 WIRE_DTYPES = (None, "bfloat16", "float16", "float32")
@@ -70,10 +74,18 @@ class Adapter:
 
 def encode_adapter(adapter: Adapter, key: bytes | None = None, *, dtype: str | None = None,
                    chunk_bytes: int | None = None, max_chunks: int | None = None) -> list[list]:
-    """The chunk messages ([signed header, data]) that carry `adapter`; floating tensors cast to
-    `dtype` (one of WIRE_DTYPES). Chunks of `chunk_bytes`, made larger (up to the frame cap) where
-    the adapter would need more than `max_chunks`. ValueError for an adapter without tensors, or
-    one that does not fit `max_chunks` frames."""
+    """The messages that carry `adapter`: its chunks ([signed header, data]), then its commit
+    ([signed commit]); floating tensors cast to `dtype` (one of WIRE_DTYPES). Chunks of
+    `chunk_bytes`, made larger (up to the frame cap) where the adapter would need more than
+    `max_chunks`. ValueError for an adapter without tensors, or one that does not fit
+    `max_chunks` frames."""
+    return list(stream_adapter(adapter, key, dtype=dtype, chunk_bytes=chunk_bytes, max_chunks=max_chunks))
+
+
+def stream_adapter(adapter: Adapter, key: bytes | None = None, *, dtype: str | None = None,
+                   chunk_bytes: int | None = None, max_chunks: int | None = None) -> Iterator[list]:
+    """`encode_adapter`'s messages, each chunk hashed when it is taken (the ValueErrors come at
+    once, before the first)."""
     import torch
 
     if dtype not in WIRE_DTYPES:
@@ -81,30 +93,37 @@ def encode_adapter(adapter: Adapter, key: bytes | None = None, *, dtype: str | N
     if not adapter.tensors:
         raise ValueError(f"adapter version {adapter.version} has no tensors: nothing to publish "
                          "(does the LoRA config target any module of the model?)")
-    blob = to_safetensors(adapter.tensors, getattr(torch, dtype) if dtype else None)
+    blob, ready = write_safetensors(adapter.tensors, getattr(torch, dtype) if dtype else None)
     chunk = chunk_bytes or min(CHUNK_BYTES, wire.MAX_FRAME)
     if max_chunks:
         chunk = min(wire.MAX_FRAME, max(chunk, -(-len(blob) // max_chunks)))
         if -(-len(blob) // chunk) > max_chunks:
             raise ValueError(f"adapter version {adapter.version} ({len(blob)} bytes) needs more than {max_chunks} "
                              f"chunks of the {wire.MAX_FRAME}-byte frame cap: raise the publisher's hwm")
-    return chunk_messages(blob, adapter.version, adapter.base_model, adapter.config, key, chunk)
+    return stream_messages(blob, adapter.version, adapter.base_model, adapter.config, key, chunk, ready)
 
 
 def decode_adapter(messages: list[list], key: bytes | None = None) -> Adapter:
-    """The adapter carried by `messages` (from `encode_adapter`, in order). WireError if they are
-    not signed, schema-conforming chunks; BrokenAdapter (a WireError) if they are our publisher's
-    but do not make a whole adapter."""
-    asm = None
+    """The adapter carried by `messages` (from `encode_adapter`, in order: chunks, then the commit).
+    WireError if they are not signed, schema-conforming chunks; BrokenAdapter (a WireError) if they
+    are our publisher's but do not make a whole adapter."""
+    asm, done = None, None
     for parts in messages:
+        if len(parts) == 1:
+            done = read_commit(parts[0], key)
+            continue
         head, data = read_chunk(parts, key)
         if asm is None:
-            asm = Assembly(head)
+            asm = Assembly(head, key)
         elif head.version != asm.version:
             raise BrokenAdapter(asm.version, f"versions {asm.version} and {head.version} mixed in one adapter")
         asm.add(head, data)
     if asm is None:
         raise WireError("no adapter chunks")
+    if done is not None:
+        if done.version != asm.version:
+            raise BrokenAdapter(asm.version, f"a commit of version {done.version} came with its chunks")
+        asm.seal(done)
     base_model, config, tensors = asm.finish()
     return Adapter(asm.version, base_model, config, tensors)
 
@@ -173,17 +192,24 @@ class WeightPublisher:
 
     def publish(self, adapter: Adapter) -> int:
         """Send `adapter` to every subscriber and keep it for `latest`; returns its size in bytes
-        (the safetensors blob). ValueError for an adapter without tensors. The buffers are sent
-        without copying and never changed afterwards, so the caller may reuse its tensors."""
-        messages = encode_adapter(adapter, self.key, dtype=self.dtype, chunk_bytes=self.chunk_bytes,
-                                  max_chunks=self.hwm // 2)  # two adapters fit a subscriber's queue
-        self._latest = [part for parts in messages for part in parts]
+        (the safetensors blob). ValueError for an adapter without tensors. Each chunk is hashed
+        just before it is sent (ZeroMQ's I/O thread sends the last one meanwhile). The buffers are
+        sent without copying and never changed afterwards, so the caller may reuse its tensors."""
+        stream = stream_adapter(adapter, self.key, dtype=self.dtype, chunk_bytes=self.chunk_bytes,
+                                max_chunks=self.hwm // 2)  # two adapters fit a subscriber's queue
+        sent = []
         with self._lock:
-            for parts in messages:
-                self._pub.send_multipart(parts, copy=False)
-            self._head = announcement(adapter.version, self.key)
-            self._pub.send(self._head)  # after every chunk, on the same pipes: a subscriber that
-        return sum(len(parts[1]) for parts in messages)  # lacks the version then has lost chunks
+            for parts in stream:
+                if len(parts) == 2:
+                    self._pub.send_multipart(parts, copy=False)
+                    sent.append(parts)
+                    continue
+                # The commit: after every chunk, on the same pipes, so a subscriber that lacks
+                # chunks of the committed version has lost them (and asks `latest`: set it first).
+                self._latest = [frame for chunk in sent for frame in chunk] + parts
+                self._head = parts[0]
+                self._pub.send(self._head)
+        return sum(len(chunk[1]) for chunk in sent)
 
     def _serve(self) -> None:
         announced = time.monotonic()
@@ -191,7 +217,7 @@ class WeightPublisher:
             if time.monotonic() - announced > self.announce_s:
                 announced = time.monotonic()
                 with self._lock:
-                    if self._head is not None:  # for subscribers whose every chunk of it was dropped
+                    if self._head is not None:  # the commit again: for subscribers that lost it, or every chunk
                         self._pub.send(self._head)
             if not self._router.poll(100):
                 continue
@@ -254,7 +280,7 @@ class WeightSubscriber:
     def _receive(self) -> Adapter | None:
         """Drain the PUB socket into the newest version's assembly; that adapter once whole.
         BrokenAdapter if the newest version cannot be rebuilt from what arrived."""
-        chunks, announced = [], -1
+        chunks, commits = [], {}
         while True:
             try:
                 parts = self._sub.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -262,7 +288,8 @@ class WeightSubscriber:
                 break
             try:
                 if len(parts) == 1:
-                    announced = max(announced, read_announcement(parts[0], self.key))
+                    done = read_commit(parts[0], self.key)
+                    commits[done.version] = done
                 else:
                     chunks.append(read_chunk(parts, self.key))
             except BrokenAdapter as exc:
@@ -270,7 +297,7 @@ class WeightSubscriber:
             except WireError:
                 self.rejected += 1
         asm = self._asm
-        newest = max([c[0].version for c in chunks] + [announced, asm.version if asm else -1])
+        newest = max([c[0].version for c in chunks] + list(commits) + [-1, asm.version if asm else -1])
         if newest <= self.version:
             return None
         for head, data in chunks:
@@ -279,18 +306,22 @@ class WeightSubscriber:
             if isinstance(head, BrokenAdapter):
                 raise head
             if asm is None or asm.version < newest:
-                asm = self._asm = Assembly(head)
+                asm = self._asm = Assembly(head, self.key)
             asm.add(head, data)
+        done = commits.get(newest)
         if asm is not None and asm.version == newest:
             asm.check()
-            if asm.complete:
+            if done is not None:
+                asm.seal(done)
+            if asm.ready:
                 base_model, config, tensors = asm.finish()
                 return self._deliver(Adapter(newest, base_model, config, tensors))
         lost = f"chunks {asm.missing()} of {asm.count}" if asm is not None and asm.version == newest else "its chunks"
-        if announced == newest:  # announcements follow every chunk of their version
-            raise BrokenAdapter(newest, f"the publisher announced it, but {lost} were dropped on the way")
+        if done is not None:  # commits follow every chunk of their version
+            raise BrokenAdapter(newest, f"the publisher committed it, but {lost} were dropped on the way")
         if asm is not None and time.monotonic() - asm.updated > self.stall_s:
-            raise BrokenAdapter(newest, f"{lost} did not arrive within {self.stall_s:g} s of the last one")
+            lost = "its commit" if asm.complete else lost
+            raise BrokenAdapter(newest, f"{lost} did not arrive within {self.stall_s:g} s of the last chunk")
         return None
 
     def poll(self) -> Adapter | None:
@@ -331,9 +362,10 @@ class WeightSubscriber:
             if len(parts) == 1:
                 unpack(parts[0].bytes, ("none",), key=self.key)
                 return "none", None
-            if len(parts) % 2:
+            if len(parts) % 2 == 0:  # chunks of two frames, then the commit
                 raise WireError(f"a 'latest' reply of {len(parts)} frames")
-            return "ok", decode_adapter([parts[i:i + 2] for i in range(0, len(parts), 2)], self.key)
+            messages = [parts[i:i + 2] for i in range(0, len(parts) - 1, 2)] + [parts[-1:]]
+            return "ok", decode_adapter(messages, self.key)
         except BrokenAdapter as exc:
             return "broken", exc
         except WireError as exc:

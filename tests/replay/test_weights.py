@@ -9,7 +9,7 @@ import torch
 import zmq
 
 from replay import wire
-from replay.chunks import announcement, chunk_messages, from_safetensors, to_safetensors
+from replay.chunks import CHUNK, chunk_messages, from_safetensors, to_safetensors
 from replay.weights import (Adapter, AdapterUndeliverable, WeightPublisher, WeightSubscriber,
                             decode_adapter, encode_adapter)
 
@@ -208,9 +208,9 @@ def test_a_corrupt_or_missing_chunk_is_fetched_again_from_latest(closing):
     closing(publisher), closing(fake.sock)
     publisher.publish(Adapter(3, "base", {}, tensors))
     messages = encode_adapter(Adapter(3, "base", {}, tensors), KEY, chunk_bytes=1 << 20)
-    assert len(messages) >= 3
-    broken = {"corrupt": corrupt(messages, 1), "missing": messages[:1] + messages[2:], "tail lost": messages[:-1],
-              "all lost, then announced": [[announcement(3, KEY)]]}
+    assert len(messages) >= 4  # 3 chunks or more, then the commit
+    broken = {"corrupt": corrupt(messages, 1), "missing": messages[:1] + messages[2:], "tail lost": messages[:-2],
+              "commit lost": messages[:-1], "all lost, then committed": messages[-1:]}
     for name, sent in broken.items():
         sub = WeightSubscriber((fake.endpoint, publisher.endpoints[1]), key=KEY, stall_s=0.5)
         closing(sub)
@@ -226,7 +226,7 @@ def test_an_adapter_that_cannot_be_delivered_raises_with_the_reason(closing):
     tensors = lora(3 << 20)
     messages = encode_adapter(Adapter(3, "base", {}, tensors), KEY, chunk_bytes=1 << 20)
     not_safetensors = chunk_messages(memoryview(b"not safetensors" * 99_999), 3, "base", {}, KEY, 1 << 20)
-    cases = [(corrupt(messages, 1), f"chunk 1 of {len(messages)} does not match its digest"),
+    cases = [(corrupt(messages, 1), f"chunk 1 of {len(messages) - 1} does not match its digest"),
              (not_safetensors, "not safetensors")]
     fake = RawPub()
     closing(fake.sock)
@@ -257,7 +257,8 @@ def test_a_missing_chunk_and_no_publisher_to_ask_raises(closing):
     sync(fake.send_adapter, [sub])
     messages = encode_adapter(Adapter(2, "base", {}, lora(3 << 20)), KEY, chunk_bytes=1 << 20)
     fake.send(messages[:1] + messages[2:])
-    with pytest.raises(AdapterUndeliverable, match=f"chunks 1 of {len(messages)} never arrived.*no answer to 'latest'"):
+    count = len(messages) - 1  # the last message is the commit
+    with pytest.raises(AdapterUndeliverable, match=f"chunks 1 of {count} never arrived.*no answer to 'latest'"):
         sub.wait(20)
 
 
@@ -270,7 +271,7 @@ def test_strangers_frames_are_rejected_and_counted(closing):
     good = encode_adapter(Adapter(1, "base", {}, TINY), KEY)
     strangers = [[b"garbage"], [b"garbage", b"more"], *encode_adapter(Adapter(1, "base", {}, TINY)),  # unsigned
                  *encode_adapter(Adapter(1, "base", {}, TINY), b"another key"),
-                 [wire.pack("adapter_chunk", key=KEY, version="one"), b""],  # no valid version
+                 [wire.pack(CHUNK, key=KEY, version="one"), b""],  # no valid version
                  [good[0][0][:-1] + bytes([good[0][0][-1] ^ 1]), good[0][1]],  # altered after signing
                  [wire.pack("push", key=KEY), b"x"]]
     before = sub.rejected
@@ -309,7 +310,8 @@ def test_chunks_grow_so_that_two_adapters_fit_the_queue(closing):
     publisher = WeightPublisher(key=KEY, chunk_bytes=10_000, hwm=6)
     sub = WeightSubscriber(publisher.endpoints, key=KEY)
     closing(publisher), closing(sub)
-    assert len(encode_adapter(Adapter(1, "b", {}, lora(100_000)), KEY, chunk_bytes=10_000, max_chunks=3)) == 3
+    messages = encode_adapter(Adapter(1, "b", {}, lora(100_000)), KEY, chunk_bytes=10_000, max_chunks=3)
+    assert len(messages) == 3 + 1  # 3 chunks, then the commit
     sync(publisher.publish, [sub])
     tensors = lora(100_000)
     publisher.publish(Adapter(1, "b", {}, tensors))
@@ -339,3 +341,19 @@ def test_safetensors_bytes_are_what_the_library_reads_and_writes():
             b'"y":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}')
     with pytest.raises(ValueError, match="hole or an overlap"):
         from_safetensors([len(head).to_bytes(8, "little") + head + bytes(8)])
+
+
+def test_an_adapter_in_the_old_format_stops_with_a_message_that_names_it(closing):
+    """Format 1 (SHA-256 digests) is never read as format 2, nor dropped silently as a stranger's."""
+    fake = RawPub()
+    closing(fake.sock)
+    old = [wire.pack("adapter_chunk", key=KEY, version=2, index=0, count=1, total=3, digest=bytes(32),
+                     sha=bytes(32), base_model="base", config={}), b"abc"]
+    latest = RawLatest(old)  # an older learner answers `latest` in format 1 too
+    closing(latest)
+    sub = WeightSubscriber((fake.endpoint, latest.endpoint), key=KEY, retries=2, timeout=5)
+    closing(sub)
+    sync(fake.send_adapter, [sub])
+    fake.send([old])
+    with pytest.raises(AdapterUndeliverable, match="adapter version 2.*format 1.*older Tandem"):
+        sub.wait(20)
