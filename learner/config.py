@@ -10,6 +10,12 @@ from policy.load import LoraSpec
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
+DEFAULT_ALGO = "grpo"
+DEFAULT_CORRECTION = "none"
+"""The defaults of --algo and --correction, held here once: the root config (launch/config.py)
+and `Learner` both take them, so a learner built directly (a test, a benchmark) trains what the
+default run trains. Why "none": see the root config's --correction."""
+
 
 def lr_factor(schedule: str, step: int, horizon: int | None, final: float) -> float:
     """The learning rate of optimizer step `step` (0-based) of `horizon`, as a fraction of the base:
@@ -101,8 +107,7 @@ class LearnerConfig:
     micro_batch: int = 8
     """Trajectories per forward/backward pass on a rank (gradient accumulation above it). Rows are
     sorted by length first, so each pass pads only to its own longest row; small passes waste
-    little on padding and keep the [b, heads, T, T] attention small (measured on CPU, 64
-    trajectories of 150–900 tokens: 14.5 s in one pass, 7.0 s in passes of 16, 6.2 s of 8)."""
+    little on padding and keep the [b, heads, T, T] attention small."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     device: str = "auto"
     """"cpu", "cuda" or "auto" (cuda when available)."""

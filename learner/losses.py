@@ -16,9 +16,16 @@ With one mini-batch a step, π_old is π_θ detached: no extra forward pass.
 Design decisions and departures:
 - `correction="none"` is naive asynchronous PPO: μ itself is the trust-region
   anchor (ratio π_θ/μ), as in a synchronous PPO that skips the recompute.
-- `decoupled` follows AReaL's implementation rather than its paper: tokens whose
-  weight π_prox/μ exceeds C are dropped from the loss (weight 0) instead of
-  clamped to C; `tis` clamps. The two differ only in that.
+- `decoupled` is `tis` plus AReaL's filter: its weight π_prox/μ is clamped at C
+  exactly as tis clamps π_old/μ (π_prox is π_old), and on top of that tokens
+  whose π_prox/μ exceeds `drop_cap` are dropped (weight 0). AReaL's code only
+  filters (behav_imp_weight_cap); the clamp is ours.
+- A dropped token (decoupled's filter, geo-mask's rejected trajectories) is a
+  zero term of the loss; it still counts in the aggregation's denominators, as
+  in AReaL, where the token count is taken before the filter. So a token's
+  weight never depends on which other tokens were dropped, the denominators
+  are known before any forward pass, and a batch cut into micro-batches sums
+  to the same loss as the batch in one piece (see learner/plan.py).
 - Advantages for multi-turn PPO run over the action tokens of an episode in
   order; observation and prompt tokens are skipped (they carry no action), so
   the value of the next action is the bootstrap target across a turn boundary.
@@ -39,29 +46,48 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 # -- advantages -----------------------------------------------------------------
 
+def _uniform_to_zero(rewards: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages [N, G] with every group whose rewards are all equal set to exactly 0, in
+    the rewards' float dtype (float32 when they are not floats).
+
+    A group of equal rewards carries no signal, but its mean, rounded, is not quite its
+    rewards: eight float32 rewards of 0.7 gave GRPO advantages of 0.056 each (the rounding
+    error over a std of the same size plus eps), all one sign, so the whole group was pushed
+    one way, and RLOO gave 6e-8, above the trainer's skip threshold. Float64 shrinks the
+    error; the equality test removes it.
+    """
+    uniform = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # [N, 1]
+    out = torch.where(uniform, torch.zeros_like(advantages), advantages)
+    return out.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
 def grpo_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO (Shao et al. 2024): rewards [N, G] -> advantages [N, G].
 
     A_i = (r_i − mean(r)) / (std(r) + eps), std with unbiased=False; without
-    normalize_std, A_i = r_i − mean(r) (Dr.GRPO, Liu et al. 2025).
+    normalize_std, A_i = r_i − mean(r) (Dr.GRPO, Liu et al. 2025). Computed in
+    float64; a group whose rewards are all equal gets A = 0 exactly.
     """
     assert rewards.dim() == 2, "rewards must be [groups, group_size]"
-    centred = rewards - rewards.mean(dim=1, keepdim=True)  # [N, G]
-    if not normalize_std:
-        return centred
-    return centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+    r = rewards.double()
+    centred = r - r.mean(dim=1, keepdim=True)  # [N, G]
+    if normalize_std:
+        centred = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return _uniform_to_zero(rewards, centred)
 
 
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): rewards [N, G] -> advantages [N, G].
 
     A_i = r_i − (1/(G−1)) Σ_{j≠i} r_j = G/(G−1) · (r_i − mean(r)): each sample's
-    baseline is the mean of the others, so it is unbiased.
+    baseline is the mean of the others, so it is unbiased. Computed in float64; a
+    group whose rewards are all equal gets A = 0 exactly.
     """
     assert rewards.dim() == 2 and rewards.shape[1] >= 2, "rewards must be [groups, group_size ≥ 2]"
     g = rewards.shape[1]
-    others = (rewards.sum(dim=1, keepdim=True) - rewards) / (g - 1)  # [N, G]
-    return rewards - others
+    r = rewards.double()
+    others = (r.sum(dim=1, keepdim=True) - r) / (g - 1)  # [N, G]
+    return _uniform_to_zero(rewards, r - others)
 
 
 def group_advantages(rewards: torch.Tensor, algo: str, normalize_std: bool = True) -> torch.Tensor:
@@ -185,6 +211,8 @@ class Correction:
     is_weight: torch.Tensor     # [B, T] importance weight multiplying the clipped surrogate
     mask: torch.Tensor          # [B, T] the loss mask after the correction dropped tokens
     behaviour: torch.Tensor | None = None  # [B, T] log μ, for the policy loss's --learner.behaviour-clip
+    action_mask: torch.Tensor | None = None
+    """[B, T] the action tokens before any was dropped: what the aggregation divides by (None: `mask`)."""
 
 
 def correct(correction: str, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -211,20 +239,20 @@ def correct(correction: str, old_logprobs: torch.Tensor, behaviour_logprobs: tor
     log_w = (old - mu) * mask  # [B, T]
     ones = torch.ones_like(log_w)
     if correction == "none":
-        return Correction(mu, ones, mask, mu)
+        return Correction(mu, ones, mask, mu, mask)
     if correction == "tis":
-        return Correction(old, torch.exp(log_w).clamp(max=cap), mask, mu)
+        return Correction(old, torch.exp(log_w).clamp(max=cap), mask, mu, mask)
     if correction == "seq-tis":
         seq = torch.exp(log_w.sum(1, keepdim=True)).clamp(max=cap)  # [B, 1]
-        return Correction(old, seq.expand_as(log_w).contiguous(), mask, mu)
+        return Correction(old, seq.expand_as(log_w).contiguous(), mask, mu, mask)
     if correction == "geo-mask":
         geo = torch.exp(log_w.sum(1) / mask.sum(1).clamp(min=1.0))  # [B]
         keep = ((geo >= 1.0 / geo_bound) & (geo <= geo_bound)).float()[:, None]  # [B, 1]
-        return Correction(old, ones, mask * keep, mu)
+        return Correction(old, ones, mask * keep, mu, mask)
     if correction == "decoupled":
         w = torch.exp(log_w)
         keep = (w <= drop_cap).float()
-        return Correction(old, w.clamp(max=cap) * keep, mask * keep, mu)
+        return Correction(old, w.clamp(max=cap) * keep, mask * keep, mu, mask)
     raise ValueError(f"unknown --correction {correction!r}; choose one of {CORRECTIONS}")
 
 
@@ -241,7 +269,8 @@ def policy_loss(logprobs: torch.Tensor, correction: Correction, advantages: torc
         dual-clip (Ye et al. 2020), c > 1, only where A_t < 0: surrogate_t = max(surrogate_t, c · A_t)
         behaviour clip, B > 1, with ρ_t = π_θ(a_t) / μ(a_t): surrogate_t carries no gradient
                     where A_t > 0 and ρ_t > B, or A_t < 0 and ρ_t < 1/B
-        L = −aggregate(w_t · surrogate_t)
+        L = −aggregate(w_t · surrogate_t · kept_t) over the action tokens, kept_t = 0 where the
+            correction dropped the token: the denominators count it all the same
 
     The behaviour clip bounds how far the corrected objectives (anchored at π_old) push a token
     past what the batch's own policy μ did: PPO's clip, one-sided like it, around μ and wider
@@ -265,7 +294,10 @@ def policy_loss(logprobs: torch.Tensor, correction: Correction, advantages: torc
         bound = math.log(behaviour_clip)
         held = ((adv > 0) & (log_rho > bound)) | ((adv < 0) & (log_rho < -bound))
         surrogate = torch.where(held, surrogate.detach(), surrogate)
-    loss = -aggregate(correction.is_weight * surrogate, mask, aggregation, norm_length)
+    # A dropped token is a zero term that still counts in the denominators (module docstring).
+    counted = correction.action_mask if correction.action_mask is not None else mask
+    weighted = torch.where(mask > 0, correction.is_weight * surrogate, torch.zeros_like(surrogate))  # [B, T]
+    loss = -aggregate(weighted, counted, aggregation, norm_length)
     with torch.no_grad():
         m = mask > 0
         n = m.sum().clamp(min=1)

@@ -8,10 +8,12 @@ collective) and rank 0 publishes it as policy version v + 1. The reference
 policy, when a loss needs it, is the same model with the adapter disabled
 (PEFT's `disable_adapter()`), so there is no second copy in memory.
 
-A step: sample the batch; compute start-of-step quantities (π_old when there are
-several mini-batches, V_old and GAE advantages for PPO) without grad; then for
-each mini-batch accumulate micro-batch gradients and take one optimizer step.
-The losses themselves are the pure functions of learner/losses.py.
+A step (`step`): sample the batch; compute start-of-step quantities (π_old when
+there are several mini-batches, V_old and GAE advantages for PPO) without grad;
+for each mini-batch accumulate micro-batch gradients and take one optimizer step;
+publish; reduce the metrics across ranks. Which rows, which shares and which
+reductions is learner/plan.py; the loss is learner/objective.py over the pure
+functions of learner/losses.py.
 
 PPO's critic is a second LoRA adapter ("critic") on the same frozen base plus a
 linear value head on the last hidden state, its own FSDP unit. The critic's
@@ -28,9 +30,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from contextlib import contextmanager
 
-from learner.config import LearnerConfig, lr_factor
+from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, LearnerConfig, lr_factor
 
 POLICY, CRITIC = "default", "critic"
 """PEFT adapter names: the policy (published to actors) and PPO's critic (never published)."""
@@ -41,17 +42,19 @@ class Learner:
 
     Usage (every rank, each in its own process)::
 
-        learner = Learner(cfg, model_path, rank, world, "tcp://127.0.0.1:29500", replay, algo="ppo")
+        learner = Learner(cfg, model_path, rank, world, "tcp://127.0.0.1:29500", replay, algo="ppo",
+                          horizon=steps)
         endpoints = learner.setup()     # rank 0: the weight channel's endpoints
         for _ in range(steps):
-            metrics = learner.step()
-        learner.save(logdir / "adapter")
+            metrics = learner.step()    # or learner.run(steps)
+        learner.save_to(logdir / "adapter")
         learner.close()
     """
 
     def __init__(self, cfg: LearnerConfig, model_path: str, rank: int, world: int, dist_url: str,
                  replay, temperature: float = 1.0, host: str = "127.0.0.1", key: bytes | None = None,
-                 algo: str = "grpo", correction: str = "tis") -> None:
+                 algo: str = DEFAULT_ALGO, correction: str = DEFAULT_CORRECTION,
+                 horizon: int | None = None) -> None:
         from learner.losses import ALGOS, CORRECTIONS
 
         if algo not in ALGOS:
@@ -62,12 +65,20 @@ class Learner:
         self.dist_url, self.replay, self.temperature, self.host = dist_url, replay, temperature, host
         self.key, self.algo, self.correction = key, algo, correction
         self.version = 0
-        self.horizon: int | None = None
-        """Steps the learning-rate schedule spans (set by `run` from its budget)."""
+        if horizon is not None and horizon < 1:
+            raise ValueError(f"the learning-rate schedule's horizon must be at least 1 step, got {horizon}")
+        self._horizon = horizon
         self.publisher = None
         self.value_head = None
         self.metrics: list[dict] = []
         self._lock = threading.Lock()
+
+    @property
+    def horizon(self) -> int | None:
+        """Optimizer steps the learning-rate schedule spans: the constructor's `horizon`, else the
+        budget of the first `run` (not a time-limited end); None, a constant rate, for a learner
+        driven by `step` alone without one."""
+        return self._horizon
 
     # -- setup ----------------------------------------------------------------
     def setup(self):
@@ -123,19 +134,6 @@ class Learner:
         return int(os.environ.get("LOCAL_RANK", self.rank))
 
     # -- forward passes ----------------------------------------------------------
-    @contextmanager
-    def _adapter(self, name: str):
-        """Route the LoRA layers through adapter `name`. PEFT's `set_adapter` would also freeze
-        every other adapter (requires_grad=False) on each switch; this only changes the route."""
-        before = [m._active_adapter for m in self._lora_layers]
-        for m in self._lora_layers:
-            m._active_adapter = [name]
-        try:
-            yield
-        finally:
-            for m, b in zip(self._lora_layers, before):
-                m._active_adapter = b
-
     def _policy_logits(self, tokens, attention):
         return self.model(input_ids=tokens, attention_mask=attention).logits
 
@@ -153,13 +151,10 @@ class Learner:
         return logp
 
     def _values(self, tokens, attention):
-        """V(s_t) for the action at t, aligned like token_logprobs: [b, T] (entry 0 is 0)."""
-        import torch
+        """V(s_t) for the action at t: [b, T] (learner/critic.py)."""
+        from learner.critic import critic_values
 
-        with self._adapter(CRITIC):
-            out = self.model(input_ids=tokens, attention_mask=attention, output_hidden_states=True)
-        v = self.value_head(out.hidden_states[-1])  # [b, T]: value of the prefix ending at t
-        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+        return critic_values(self.model, self.value_head, self._lora_layers, CRITIC, tokens, attention)
 
     def _old_logprobs(self, tokens, attention):
         from learner.losses import token_logprobs
@@ -189,23 +184,17 @@ class Learner:
 
     def _plan(self, batch, rows: list[int], shares: bool = True) -> list[tuple[list[int], float]]:
         """Micro-batches of `rows` with each one's share of the rank's loss, so that accumulation
-        equals one big batch (tokens for token_mean, trajectories otherwise, over all B
-        trajectories of the rank, times the mini-batch count so every update is full scale).
-        FSDP's collectives run once per forward/backward, so every rank runs as many
-        micro-batches as the busiest one; the extra ones repeat a row with share 0."""
+        equals one pass over the rank's whole batch (learner/plan.py). FSDP's collectives run once
+        per forward/backward, so every rank runs as many micro-batches as the busiest one; the
+        extra ones repeat a row with share 0."""
         import torch
         import torch.distributed as dist
 
-        size = self.cfg.micro_batch
-        chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
-        scale = self.cfg.mini_batches
-        if not shares:
-            weights = [1.0] * len(chunks)
-        elif self.cfg.aggregation == "token_mean":
-            total = float(batch.mask.sum()) or 1.0
-            weights = [scale * float(batch.mask[c].sum()) / total for c in chunks]
-        else:
-            weights = [scale * len(c) / batch.tokens.shape[0] for c in chunks]
+        from learner import plan
+
+        chunks = plan.micro_batches(rows, self.cfg.micro_batch)
+        weights = (plan.shares(chunks, batch.mask, self.cfg.aggregation, self.cfg.mini_batches) if shares
+                   else [1.0] * len(chunks))
         count = torch.tensor([len(chunks)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         while len(chunks) < max(int(count), 1):  # at least one: every rank reports the same metrics
@@ -215,121 +204,122 @@ class Learner:
 
     # -- one step ---------------------------------------------------------------
     def step(self) -> dict:
-        import torch
-        import torch.distributed as dist
+        """Sample the batch, compute the start-of-step quantities, take one optimizer step per
+        mini-batch, publish version v + 1; returns the step's metrics, the same on every rank."""
+        from learner.plan import StepSums, step_metrics, trained_rows
 
-        from learner.batch import collate
-        from learner.losses import (aggregate, correct, gae, kl_penalty, mismatch_kl, policy_loss, terminal_rewards,
-                                    token_entropy, token_logprobs, value_loss, whiten)
-
-        cfg, ppo = self.cfg, self.algo == "ppo"
         t0 = time.perf_counter()
         step = self.version
-        groups = self.replay.sample(step, self.rank, self.version)
+        batch = self._sample()
         t1 = time.perf_counter()
-        batch = collate(groups, self.version, self.pad_id, cfg.normalize_std, self.algo)
         self.model.train()
-        n = batch.tokens.shape[0]
-        # Trajectories with zero advantage (their group's rewards were all equal) add nothing to a
-        # critic-free gradient: skip their forward pass. PPO's critic learns from every trajectory.
-        keep = batch.mask.sum(1) > 0 if ppo else batch.advantages.abs() > 1e-8
-        live = keep.nonzero().flatten().tolist()
-        live.sort(key=lambda i: int(batch.attention[i].sum()))  # similar lengths share a micro-batch
-        minis = [live[k::cfg.mini_batches] for k in range(cfg.mini_batches)]  # each spans all lengths
-
-        # Start-of-step quantities. With one mini-batch π_old is π_θ detached (no extra pass).
-        old = None
-        if cfg.mini_batches > 1 and self.correction != "none":
-            old = self._forward_all(batch, live, self._old_logprobs)
-        advantages = batch.advantages  # [B]
-        if ppo:
-            old_values = self._forward_all(batch, live, self._values)  # [B, T]
-            advantages, returns = gae(terminal_rewards(batch.rewards, batch.mask), old_values, batch.mask,
-                                      cfg.gamma, cfg.lam)  # [B, T]
-            if cfg.whiten_advantages:
-                advantages = whiten(advantages, batch.mask)
-
-        factor = lr_factor(cfg.lr_schedule, step, self.horizon, cfg.lr_final)
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["base_lr"] * factor
-        sums: dict[str, float] = {}
-        total_share, is_max, loss_total = 0.0, 0.0, 0.0
-        norms, critic_norms = [], []
+        live, minis = trained_rows(batch, self.algo == "ppo", self.cfg.mini_batches)
+        start = self._start_of_step(batch, live)
+        factor = self._set_lr(step)
+        sums = StepSums()
         for mini in minis:
-            self.optimizer.zero_grad(set_to_none=True)
-            for chunk, share in self._plan(batch, mini):
-                rows = torch.tensor(chunk)
-                tokens, attention, width = self._inputs(batch, chunk)
-                mask = batch.mask[rows, :width].to(self.device)
-                if share == 0.0:
-                    mask = mask * 0  # a padding micro-batch: it takes part in the collectives only
-                mu = batch.behaviour[rows, :width].to(self.device)
-                logits = self._policy_logits(tokens, attention)
-                logp = token_logprobs(logits, tokens, self.temperature)  # [b, T]
-                old_lp = old[rows, :width].to(self.device) if old is not None else logp.detach()
-                corr = correct(self.correction, old_lp, mu, mask, cfg.is_cap, cfg.geo_bound, cfg.drop_cap)
-                adv = advantages[rows].to(self.device) if not ppo else advantages[rows, :width].to(self.device)
-                loss, m = policy_loss(logp, corr, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
-                                      cfg.aggregation, cfg.norm_length, cfg.behaviour_clip)
-                with torch.set_grad_enabled(cfg.entropy_coef > 0):  # a metric only: no graph over [b, T, V]
-                    entropy = aggregate(token_entropy(logits, self.temperature), mask, cfg.aggregation,
-                                        cfg.norm_length)
-                if cfg.entropy_coef > 0:
-                    loss = loss - cfg.entropy_coef * entropy
-                if cfg.kl_coef > 0:
-                    kl = aggregate(kl_penalty(logp, self._ref_logprobs(tokens, attention), cfg.kl_estimator),
-                                   mask, cfg.aggregation, cfg.norm_length)
-                    loss = loss + cfg.kl_coef * kl
-                    m["kl_ref"] = float(kl.detach())
-                m["entropy"] = float(entropy.detach())
-                m["mismatch_kl"] = mismatch_kl(old_lp, mu, mask)
-                m["masked_fraction"] = float(1.0 - corr.mask.sum() / mask.sum().clamp(min=1.0))
-                (loss * share).backward()
-                if ppo:
-                    values = self._values(tokens, attention)
-                    vloss, vm = value_loss(values, old_values[rows, :width].to(self.device),
-                                           returns[rows, :width].to(self.device), mask, cfg.value_clip,
-                                           cfg.aggregation, cfg.norm_length)
-                    (cfg.vf_coef * vloss * share).backward()
-                    m.update(vm)
-                loss_total += float(loss.detach()) * share
-                total_share += share
-                is_max = max(is_max, m.pop("is_weight_max"))
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v * share
-            norms.append(self._clip(self.policy_params))
-            if ppo:
-                critic_norms.append(self._clip(self.critic_params))
-            self.optimizer.step()
+            self._update(batch, mini, start, sums)
         t2 = time.perf_counter()
         self.version += 1
         adapter_bytes = self._publish()
         self.replay.ack(step, self.rank, wait=False)  # trained on: replay may forget these groups
         t3 = time.perf_counter()
-        parts = {k: v / (total_share or 1.0) for k, v in sums.items()}
-        local = {
-            **parts, "loss": loss_total / cfg.mini_batches, "is_weight_max": is_max,
-            "grad_norm": sum(norms) / len(norms), "trained_fraction": len(live) / n,
-            "reward_mean": float(batch.rewards.mean()),
-            "staleness_mean": float(batch.staleness.mean()),
-            "staleness_max": float(batch.staleness.max()),
-            "tokens": float(batch.mask.sum()), "trajectories": float(n),
-            "seq_len_mean": float(batch.attention.sum(1).float().mean()),
-            "wait_s": t1 - t0, "train_s": t2 - t1, "publish_s": t3 - t2, "lr": cfg.lr * factor,
-        }
-        if ppo:
-            local["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
-        keys = sorted(local)
-        vec = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(vec)
-        out = {k: float(v) / self.world for k, v in zip(keys, vec.tolist())}
-        for k in ("tokens", "trajectories"):
-            out[k] *= self.world  # totals, not means
+        local = step_metrics(batch, live, sums, self.cfg.mini_batches)
+        local.update(lr=self.cfg.lr * factor, wait_s=t1 - t0, train_s=t2 - t1, publish_s=t3 - t2)
+        out = self._reduce(local)
         out.update(step=self.version, version=self.version, adapter_bytes=adapter_bytes,
                    idle_fraction=out["wait_s"] / max(t3 - t0, 1e-9), time=time.time())
         with self._lock:
             self.metrics.append(out)
         return out
+
+    def _sample(self):
+        """This rank's shard of the step's batch from replay, collated (with the group advantages)."""
+        from learner.batch import collate
+
+        groups = self.replay.sample(self.version, self.rank, self.version)
+        return collate(groups, self.version, self.pad_id, self.cfg.normalize_std, self.algo)
+
+    def _start_of_step(self, batch, rows: list[int]) -> StartOfStep:
+        """What stays fixed through the step's mini-batches, computed without grad over `rows`."""
+        from learner.losses import gae, terminal_rewards, whiten
+        from learner.plan import StartOfStep
+
+        cfg = self.cfg
+        old = None  # with one mini-batch π_old is π_θ detached: no extra pass
+        if cfg.mini_batches > 1 and self.correction != "none":
+            old = self._forward_all(batch, rows, self._old_logprobs)
+        if self.algo != "ppo":
+            return StartOfStep(old, batch.advantages)
+        old_values = self._forward_all(batch, rows, self._values)  # [B, T]
+        advantages, returns = gae(terminal_rewards(batch.rewards, batch.mask), old_values, batch.mask,
+                                  cfg.gamma, cfg.lam)  # [B, T]
+        if cfg.whiten_advantages:
+            advantages = whiten(advantages, batch.mask)
+        return StartOfStep(old, advantages, old_values, returns)
+
+    def _set_lr(self, step: int) -> float:
+        """Set the schedule's learning rate of optimizer step `step`; returns it as a fraction of the base."""
+        factor = lr_factor(self.cfg.lr_schedule, step, self.horizon, self.cfg.lr_final)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["base_lr"] * factor
+        return factor
+
+    def _update(self, batch, mini: list[int], start: StartOfStep, sums) -> None:
+        """One optimizer step on the rows `mini`: gradients accumulated over its micro-batches,
+        clipped; the micro-batches' losses and metrics go into `sums` (a plan.StepSums)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for chunk, share in self._plan(batch, mini):
+            loss, metrics = self._micro_batch(batch, chunk, share, start)
+            sums.add(loss, metrics, share)
+        sums.norms.append(self._clip(self.policy_params))
+        if self.algo == "ppo":
+            sums.critic_norms.append(self._clip(self.critic_params))
+        self.optimizer.step()
+
+    def _micro_batch(self, batch, chunk: list[int], share: float, start: StartOfStep) -> tuple[float, dict]:
+        """Forward and backward of the rows `chunk`, the loss scaled by its `share`. Returns the
+        loss (learner/objective.py; unscaled) and the micro-batch's metrics."""
+        import torch
+
+        from learner.losses import value_loss
+        from learner.objective import policy_objective
+
+        cfg, ppo = self.cfg, self.algo == "ppo"
+        rows = torch.tensor(chunk)
+        tokens, attention, width = self._inputs(batch, chunk)
+        mask = batch.mask[rows, :width].to(self.device)
+        if share == 0.0:
+            mask = mask * 0  # a padding micro-batch: it takes part in the collectives only
+        old = start.old[rows, :width].to(self.device) if start.old is not None else None
+        adv = (start.advantages[rows, :width] if ppo else start.advantages[rows]).to(self.device)
+        logits = self._policy_logits(tokens, attention)
+        ref = self._ref_logprobs(tokens, attention) if cfg.kl_coef > 0 else None
+        loss, m = policy_objective(cfg, self.correction, logits, tokens, mask,
+                                   batch.behaviour[rows, :width].to(self.device), adv, old, ref, self.temperature)
+        (loss * share).backward()
+        if ppo:
+            values = self._values(tokens, attention)
+            vloss, vm = value_loss(values, start.old_values[rows, :width].to(self.device),
+                                   start.returns[rows, :width].to(self.device), mask, cfg.value_clip,
+                                   cfg.aggregation, cfg.norm_length)
+            (cfg.vf_coef * vloss * share).backward()
+            m.update(vm)
+        return float(loss.detach()), m
+
+    def _reduce(self, local: dict) -> dict:
+        """Every rank's `local` metrics gathered and reduced by plan.reduce_metrics (sums, maxima,
+        means): a collective, and every rank gets the same result."""
+        import torch
+        import torch.distributed as dist
+
+        from learner.plan import reduce_metrics
+
+        keys = sorted(local)
+        vec = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
+        gathered = [torch.empty_like(vec) for _ in range(self.world)]
+        dist.all_gather(gathered, vec)
+        return reduce_metrics(keys, torch.stack(gathered).cpu())
 
     def _clip(self, params) -> float:
         """Clip the gradient of `params` by global norm (a collective); returns the norm before."""
@@ -341,29 +331,35 @@ class Learner:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def _adapter_tensors(self) -> dict:
-        """A snapshot of the full adapter on every rank (all ranks must call: gathering is collective).
-        Copies: on one rank `full_tensor()` is the parameter itself, and a snapshot must not move."""
+    def adapter_tensors(self) -> dict:
+        """A snapshot of the full policy adapter, name -> CPU tensor, on every rank (all ranks must
+        call: gathering is collective). Copies: on one rank `full_tensor()` is the parameter
+        itself, and a snapshot must not move."""
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.model, adapter_name=POLICY)  # never the critic
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
                 for k, v in state.items()}
 
-    def _publish(self) -> int:
+    def adapter(self):
+        """A snapshot of the current policy version as the weight channel carries it (a
+        `replay.weights.Adapter`); every rank must call, as for `adapter_tensors`."""
         from replay.weights import Adapter
 
-        tensors = self._adapter_tensors()
+        return Adapter(self.version, self.model_path, self.cfg.lora.to_dict(), self.adapter_tensors())
+
+    def _publish(self) -> int:
+        adapter = self.adapter()
         if self.publisher is None:
             return 0
-        return self.publisher.publish(Adapter(self.version, self.model_path, self.cfg.lora.to_dict(), tensors))
+        return self.publisher.publish(adapter)
 
     # -- driving ----------------------------------------------------------------
     def run(self, steps: int, stop: threading.Event | None = None, save_dir=None) -> int:
         """Train until `steps` optimizer steps in total (or fewer, see `limit`) or `stop`;
         returns the final version."""
         self.target = min(steps, getattr(self, "target", steps))
-        self.horizon = self.horizon or steps  # the schedule spans the budget, not a time-limited end
+        self._horizon = self._horizon or steps
         while self.version < self.target and not (stop and stop.is_set()):
             self.step()
             if save_dir is not None and self.cfg.save_every and self.version % self.cfg.save_every == 0:
@@ -381,23 +377,14 @@ class Learner:
         return out
 
     def save_to(self, path) -> None:
-        """Write the adapter in PEFT format (rank 0 writes; every rank must call)."""
-        import json
-        from pathlib import Path
+        """Write the adapter with its version as a directory in PEFT format (policy/adapter.py;
+        rank 0 writes; every rank must call)."""
+        from policy.adapter import write_adapter
 
-        from safetensors.torch import save_file
-
-        tensors = self._adapter_tensors()
+        tensors = self.adapter_tensors()
         if self.rank != 0:
             return
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        config = self.model.peft_config["default"].to_dict()
-        config["base_model_name_or_path"] = self.model_path
-        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
-        (path / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
-        (path / "tandem.json").write_text(json.dumps({"version": self.version}))
+        write_adapter(path, tensors, self.cfg.lora, self.model_path, self.version)
 
     def close(self) -> None:
         import torch.distributed as dist

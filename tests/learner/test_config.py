@@ -42,6 +42,21 @@ def test_defaults_are_the_measured_recipe():
     assert (cfg.algo, cfg.correction, cfg.learner.is_cap, cfg.learner.mini_batches) == ("grpo", "none", 2.0, 1)
 
 
+def test_a_learner_built_directly_defaults_to_what_the_run_defaults_to():
+    """Tests and benchmarks build `Learner` without the root config: they must train what the
+    default run trains, so both take their defaults from learner/config.py."""
+    import dataclasses
+    import inspect
+
+    from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION
+    from learner.trainer import Learner
+
+    learner = inspect.signature(Learner).parameters
+    run = {f.name: f.default for f in dataclasses.fields(Config)}
+    assert (learner["algo"].default, learner["correction"].default) == (run["algo"], run["correction"])
+    assert (run["algo"], run["correction"]) == (DEFAULT_ALGO, DEFAULT_CORRECTION) == ("grpo", "none")
+
+
 def test_command_line_rejects_an_unknown_algorithm():
     run = subprocess.run([sys.executable, "-m", "launch.async", "--algo", "a2c"], capture_output=True, text=True,
                          timeout=120)

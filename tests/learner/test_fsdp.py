@@ -28,9 +28,9 @@ def _rank(rank, model, endpoint, url, out):
     learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=4), model, rank, 2, url, ZmqReplayClient(endpoint))
     try:
         learner.setup()
-        before = {k: v.numpy().copy() for k, v in learner._adapter_tensors().items()}
+        before = {k: v.numpy().copy() for k, v in learner.adapter_tensors().items()}
         metrics = learner.step()
-        after = {k: v.numpy() for k, v in learner._adapter_tensors().items()}
+        after = {k: v.numpy() for k, v in learner.adapter_tensors().items()}
         out.put((rank, before, after, metrics))
     finally:
         learner.close()
@@ -87,7 +87,7 @@ def _ppo_rank(rank, model, endpoint, url, out):
             state["value_head"] = learner.value_head.proj.weight
             return {k: v.full_tensor().detach().numpy().copy() for k, v in state.items()}
 
-        before, critic_before = learner._adapter_tensors(), critic()
+        before, critic_before = learner.adapter_tensors(), critic()
         metrics = [learner.step(), learner.step()]
         # the reference is the base model itself: the adapter disabled, under fully_shard
         from learner.losses import token_logprobs
@@ -102,7 +102,7 @@ def _ppo_rank(rank, model, endpoint, url, out):
         metrics.append({"ref_gap": float((ref - base).abs().max()), "policy_gap": float((policy - base).abs().max()),
                         "critic_trainable": all(p.requires_grad for p in learner.critic_params)})
         out.put((rank, {k: v.numpy() for k, v in before.items()},
-                 {k: v.numpy() for k, v in learner._adapter_tensors().items()}, critic_before, critic(), metrics))
+                 {k: v.numpy() for k, v in learner.adapter_tensors().items()}, critic_before, critic(), metrics))
     finally:
         learner.close()
 
@@ -163,10 +163,10 @@ def _one_rank(model, endpoint, url, out):
     learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=2), model, 0, 1, url, ZmqReplayClient(endpoint))
     try:
         learner.setup()
-        snapshot = learner._adapter_tensors()
+        snapshot = learner.adapter_tensors()
         kept = {k: v.numpy().copy() for k, v in snapshot.items()}
         learner.step()
-        moved = {k: v.numpy() for k, v in learner._adapter_tensors().items()}
+        moved = {k: v.numpy() for k, v in learner.adapter_tensors().items()}
         out.put((kept, {k: v.numpy() for k, v in snapshot.items()}, moved))
     finally:
         learner.close()
@@ -193,3 +193,54 @@ def test_adapter_snapshots_on_one_rank_do_not_follow_training(tiny_model):
     assert any(not np.array_equal(moved[k], kept[k]) for k in kept if "lora_B" in k), "the step changed nothing"
     for k in kept:
         np.testing.assert_array_equal(snapshot[k], kept[k])
+
+
+def _max_rank(rank, model, endpoint, url, out):
+    import torch
+
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    # tis without truncation (C = 1e6): each rank's largest π_old/μ is its own data's
+    cfg = LearnerConfig(lr=1e-2, groups_per_step=4, is_cap=1e6)
+    learner = Learner(cfg, model, rank, 2, url, ZmqReplayClient(endpoint), correction="tis")
+    try:
+        learner.setup()
+        learner.version = 2  # as a learner resumed at version 2: rank 1's groups (version 0) are 2 stale
+        local = []
+        reduce = learner._reduce
+        learner._reduce = lambda metrics: (local.append(dict(metrics)), reduce(metrics))[1]
+        out.put((rank, local, learner.step()))
+    finally:
+        learner.close()
+
+
+def test_maxima_are_reduced_over_ranks_with_max(tiny_model):
+    server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=2, num_shards=2), "tcp://127.0.0.1:*")
+    endpoint = server.start()
+    try:
+        client = ZmqReplayClient(endpoint, actor="actor-0")
+        # first in, first served; rank 0's shard is the first two groups (version 2), rank 1's the next two
+        for i, version in enumerate((2, 2, 0, 0)):
+            client.push(make_group(seed=i, version=version, rewards=[1.0, 0.0, 0.0, 1.0]))
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        url = f"tcp://127.0.0.1:{_port()}"
+        procs = [ctx.Process(target=_max_rank, args=(r, tiny_model, endpoint, url, out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        results = {r: (local, m) for r, local, m in (out.get(timeout=240) for _ in procs)}
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0], "a rank aborted at exit"
+    finally:
+        server.stop()
+    ([local0], m0), ([local1], m1) = results[0], results[1]
+    assert (local0["staleness_max"], local1["staleness_max"]) == (0.0, 2.0)
+    assert local0["is_weight_max"] != local1["is_weight_max"]
+    for m in (m0, m1):  # both ranks report the maximum over ranks, not the mean
+        assert m["staleness_max"] == 2.0 and m["staleness_mean"] == 1.0
+        assert m["is_weight_max"] == max(local0["is_weight_max"], local1["is_weight_max"])
+        assert m["tokens"] == local0["tokens"] + local1["tokens"]  # totals are sums

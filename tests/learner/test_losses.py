@@ -40,6 +40,42 @@ def test_uniform_rewards_give_zero_advantage():
     assert rloo_advantages(torch.ones(1, 8)).abs().max() == 0
 
 
+def test_equal_partial_credit_rewards_give_exactly_zero_advantage():
+    # Rewards arrive as float32. The float32 mean of eight 0.7s is not 0.7: the rounding error
+    # (6e-8) over a std of the same size plus eps (1.06e-6) gave GRPO 0.056 for all eight, one
+    # sign for the whole group, and RLOO 6e-8, above the trainer's 1e-8 skip.
+    for rewards in ([0.7] * 8, [0.3] * 6, [1 / 3] * 5, [0.1] * 16):
+        r = torch.tensor([rewards])
+        for adv in (grpo_advantages(r), grpo_advantages(r, normalize_std=False), rloo_advantages(r)):
+            assert adv.dtype == torch.float32 and adv.abs().max() == 0, (rewards, adv)
+
+
+def test_random_groups_uniform_ones_zero_the_others_exact():
+    g = torch.Generator().manual_seed(0)
+    for size in (2, 3, 5, 6, 8, 16):
+        rewards = torch.rand(64, size, generator=g)  # float32 partial credit
+        rewards[::2] = rewards[::2, :1]              # every other group: all equal
+        for adv, reference in (
+                (grpo_advantages(rewards), lambda r: (r - r.mean(1, keepdim=True))
+                 / (r.std(1, unbiased=False, keepdim=True) + 1e-6)),
+                (rloo_advantages(rewards), lambda r: size / (size - 1) * (r - r.mean(1, keepdim=True)))):
+            assert adv[::2].abs().max() == 0
+            # the other groups: the formula, worked in float64
+            close(adv[1::2], reference(rewards[1::2].double()).float(), atol=1e-6, rtol=1e-6)
+
+
+def test_a_uniform_partial_credit_group_is_skipped_by_the_step():
+    from learner.plan import trained_rows
+    from tests.replay.helpers import make_group
+
+    groups = [make_group(size=8, length=6, rewards=[0.7] * 8), make_group(size=2, length=6, rewards=[0.7, 0.2])]
+    for algo in ("grpo", "rloo"):
+        batch = collate(groups, version=0, pad_id=0, algo=algo)
+        assert batch.advantages[:8].abs().max() == 0
+        live, _ = trained_rows(batch, critic=False, mini_batches=1)
+        assert sorted(live) == [8, 9]  # only the group with a reward spread is trained on
+
+
 def test_rloo_baseline_is_the_mean_of_the_others():
     adv = rloo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 0.0, 0.0, 0.0]]))
     # group 1: 1 - (0 + 0 + 1)/3 = 0.6667; 0 - (1 + 0 + 1)/3 = -0.6667
@@ -270,8 +306,9 @@ def test_decoupled_loss_against_a_moved_policy():
     new = torch.log(torch.tensor([[0.9, 0.7]]))   # ratio to π_prox = [1.8, 1.4]
     loss, m = policy_loss(new, correct("decoupled", prox, mu, torch.ones(1, 2), drop_cap=2.0), torch.tensor([1.0]),
                           clip_low=0.2, clip_high=0.2)
-    # only token 2 remains: min(1.4, 1.2)·1 · 1.25 = 1.5 -> loss = -1.5 / 1 token
-    assert float(loss) == pytest.approx(-1.5, abs=1e-6)
+    # only token 2 remains: min(1.4, 1.2)·1 · 1.25 = 1.5; the dropped token is a zero term that
+    # still counts: loss = -(0 + 1.5) / 2 action tokens = -0.75
+    assert float(loss) == pytest.approx(-0.75, abs=1e-6)
     assert m["is_weight_mean"] == pytest.approx(1.25) and m["clip_fraction"] == pytest.approx(1.0)
 
 
