@@ -5,8 +5,9 @@ not cached yet, starts (or joins) Ray, places the replay service, the learner
 ranks and the actors as Ray actors, evaluates and logs to TensorBoard from this
 driver process, and shuts everything down on completion or Ctrl-C.
 
-(The module is named `async.py` after the mode; `async` is a keyword, so code
-imports it with importlib, while `python -m launch.async` runs it as usual.)
+(The module is named `async.py` after the mode; `async` is a keyword, so no
+code imports it: what other entry points share with it lives in launch/parts.py,
+and `python -m launch.async` runs it as usual.)
 """
 
 from __future__ import annotations
@@ -28,16 +29,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def resolve_policy(cfg: Config) -> str:
-    if cfg.model == "builtin:maze":
-        from launch.warmstart import ensure_warmstart
-
-        return ensure_warmstart(log=lambda m: print(m, flush=True))
-    from policy import resolve_model
-
-    return resolve_model(cfg.model)
-
-
 def main(cfg: Config) -> int:
     from policy.compat import check_torchvision
 
@@ -46,7 +37,7 @@ def main(cfg: Config) -> int:
     import torch
 
     from launch.monitor import Board
-    from launch.parts import ActorPart, LearnerPart, ReplayPart
+    from launch.parts import ActorPart, LearnerPart, ReplayPart, resolve_policy
 
     from transformers.utils import logging as hf_logging
 
@@ -129,6 +120,7 @@ def _monitor(cfg, model_path, board, replay, learners, training, weights, key, s
     import ray
 
     from launch.monitor import Evaluator, actor_scalars, replay_scalars, step_scalars
+    from policy.adapter import read_adapter
     from replay.weights import WeightSubscriber
 
     evaluator = Evaluator(cfg, model_path)
@@ -168,7 +160,7 @@ def _monitor(cfg, model_path, board, replay, learners, training, weights, key, s
                 board.histogram(version, "replay/staleness_served", stats["staleness_served"])
             if len(done) == len(training):
                 ray.get(training)  # surface a learner's exception
-                final = load_adapter_dir(os.path.join(cfg.run_dir, "adapter"))
+                final = read_adapter(os.path.join(cfg.run_dir, "adapter"))
                 if final.version != last_eval:
                     evaluator.load(final.version, final.tensors)
                     board.eval(final.version, evaluator.evaluate())
@@ -185,20 +177,6 @@ def _monitor(cfg, model_path, board, replay, learners, training, weights, key, s
     finally:
         sub.close()
         evaluator.close()
-
-
-def load_adapter_dir(path: str):
-    """An adapter saved by the learner (PEFT format) as a weight-channel Adapter."""
-    import json
-
-    from safetensors.torch import load_file
-
-    from replay.weights import Adapter
-
-    meta = json.loads(open(os.path.join(path, "tandem.json")).read())
-    config = json.loads(open(os.path.join(path, "adapter_config.json")).read())
-    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
-    return Adapter(int(meta["version"]), config.get("base_model_name_or_path", ""), config, tensors)
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -37,21 +37,22 @@ class EvalArgs:
 
 
 def main(args: EvalArgs) -> dict:
-    import importlib
-    import os
-
     from launch.config import Config
     from launch.monitor import Evaluator
+    from launch.parts import resolve_policy
+    from policy.adapter import read_adapter
 
-    launch_async = importlib.import_module("launch.async")
-    if args.adapter != "none" and not os.path.isfile(os.path.join(args.adapter, "adapter_model.safetensors")):
-        raise SystemExit(f"error: {args.adapter} holds no adapter_model.safetensors")
-    adapter = launch_async.load_adapter_dir(args.adapter) if args.adapter != "none" else None
+    adapter = None
+    if args.adapter != "none":
+        try:
+            adapter = read_adapter(args.adapter)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}") from None
     cfg = Config(env=args.env, learners=1, model=args.model or (adapter.base_model if adapter else "auto"))
     if adapter is not None:
         lora = adapter.config
         cfg.learner.lora.rank, cfg.learner.lora.alpha = int(lora["r"]), float(lora["lora_alpha"])
-    model_path = launch_async.resolve_policy(cfg)
+    model_path = resolve_policy(cfg)
     ev = Evaluator(cfg, model_path, seed=args.seed, episodes=args.episodes)
     if adapter is not None:
         ev.load(adapter.version, adapter.tensors)

@@ -2,7 +2,8 @@
 
 Ray is only the placement layer: `launch/async.py` wraps these classes with
 `ray.remote`; tests and debugging construct them directly. Each class owns its
-threads and sockets and releases them in `close()`.
+threads and sockets and releases them in `close()`. `resolve_policy` gives the
+model directory every part loads.
 """
 
 from __future__ import annotations
@@ -11,6 +12,18 @@ import os
 import threading
 
 from launch.config import Config
+
+
+def resolve_policy(cfg: Config) -> str:
+    """The model `--model` names, as a path or id `from_pretrained` accepts; the maze warm start
+    (`builtin:maze`) is built first if it is not cached yet."""
+    if cfg.model == "builtin:maze":
+        from launch.warmstart import ensure_warmstart
+
+        return ensure_warmstart(log=lambda m: print(m, flush=True))
+    from policy import resolve_model
+
+    return resolve_model(cfg.model)
 
 
 def _threads(n: int) -> None:

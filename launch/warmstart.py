@@ -19,24 +19,25 @@ Design decisions:
   set so that maze-64 lands in 35-55%. Validation runs the actors' own code
   path (`actors.rollout.evaluate` with a `TorchEngine`) on the checkpoint as
   saved, so the figure is what the actors will see.
-- The checkpoint is written in Hugging Face format to a private temporary
-  directory and renamed into place, so concurrent launchers never read half a
-  checkpoint; the first rename wins and later builders discard theirs.
+- The checkpoint is built into the built-in models' cache (policy/cache.py): in
+  Hugging Face format, into a private temporary directory renamed into place,
+  one builder at a time; a launcher that starts while another builds waits for
+  it, and none ever reads half a checkpoint.
 - Deterministic given `seed`: one torch seed, one seed range of mazes.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-NAME = "maze-sft-v2"
-"""Directory name of the warm start under `policy.load.cache_dir()`."""
+from policy.load import BUILTIN_DIRS
+
+NAME = BUILTIN_DIRS["builtin:maze"]
+"""Directory name of the warm start under `policy.cache.cache_dir()`."""
 
 VAL_SEED = 777
 """Seed of the validation mazes (disjoint from `envs.maze.MAZE64_SEED`)."""
@@ -179,25 +180,13 @@ def build(out: Path, seed: int = 0, cfg: WarmstartConfig = WarmstartConfig(),
 
 def ensure_warmstart(path: str | os.PathLike | None = None, seed: int = 0,
                      log: Callable[[str], None] = print) -> str:
-    """The warm-start checkpoint directory, built on first use (atomic: temp dir, then rename)."""
-    from policy.load import cache_dir
+    """The warm-start checkpoint directory, built on first use (see policy/cache.py: atomic, and
+    one builder at a time however many launchers start together)."""
+    from policy.cache import build_once, cache_dir
 
     final = Path(path) if path is not None else cache_dir() / NAME
-    if (final / "config.json").exists():
-        return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        log(f"warm start: building {final} (once; cached afterwards)")
-        build(tmp, seed=seed, log=log)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process got there first: theirs is as good as ours
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+    return str(build_once(final, lambda tmp: build(tmp, seed=seed, log=log),
+                          log=lambda message: log(f"warm start: {message}")))
 
 
 def main() -> None:

@@ -1,41 +1,35 @@
 """Loading a policy: built-in tiny model or any Hugging Face causal LM.
 
 `--model` takes a local path, a Hugging Face id, or `builtin:tiny` (the
-randomly initialised tiny model, written on first use) / `builtin:maze` (the
-tiny model after the supervised maze warm start, built and cached on first
-use by launch/warmstart.py). Nothing is downloaded for the built-ins.
+randomly initialised tiny model, built into the cache on first use) /
+`builtin:maze` (the tiny model after the supervised maze warm start; the
+launcher builds it into the cache with launch/warmstart.py, since training it
+takes the actors' and the learner's code). Nothing is downloaded for the
+built-ins; policy/cache.py has the cache.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
-BUILTIN = ("builtin:tiny", "builtin:maze")
+from policy.cache import build_once, cache_dir, is_built
 
+BUILTIN_DIRS = {"builtin:tiny": "tiny-v1", "builtin:maze": "maze-sft-v2"}
+"""Each built-in's directory under `cache_dir()`. A new name whenever what is built changes, so
+that an old cache entry is never taken for the new one."""
 
-def cache_dir() -> Path:
-    """Where built-in checkpoints are cached ($TANDEM_CACHE, default ~/.cache/tandem)."""
-    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
+BUILTIN = tuple(BUILTIN_DIRS)
 
 
 def resolve_model(name: str) -> str:
-    """Turn `--model` into something `from_pretrained` accepts, building built-ins if needed."""
+    """Turn `--model` into something `from_pretrained` accepts, building `builtin:tiny` if needed."""
     if name == "builtin:tiny":
         from policy.tiny import save_tiny
 
-        path = cache_dir() / "tiny-v1"
-        if not (path / "config.json").exists():
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            save_tiny(tmp)
-            os.replace(tmp, path) if not path.exists() else None
-        return str(path)
+        return str(build_once(cache_dir() / BUILTIN_DIRS[name], save_tiny))
     if name == "builtin:maze":
-        from launch.warmstart import NAME
-
-        path = cache_dir() / NAME
-        if not (path / "config.json").exists():
+        path = cache_dir() / BUILTIN_DIRS[name]
+        if not is_built(path):
             raise FileNotFoundError(
                 f"the maze warm start is not built yet at {path}; the launcher builds it "
                 "(python -m launch.warmstart)")

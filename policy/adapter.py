@@ -1,0 +1,94 @@
+"""The adapter on disk: one LoRA adapter as a directory in PEFT's format.
+
+    <dir>/adapter_model.safetensors   the tensors, under PEFT's state-dict names
+    <dir>/adapter_config.json         PEFT's LoraConfig, with the adapted modules named
+    <dir>/tandem.json                 {"version": v}: the policy version of the adapter
+
+The learner saves its adapter this way (`<run dir>/adapter`), `launch.eval` and the
+driver read it back, and the vLLM engine writes each version it receives this way
+to tmpfs for vLLM to load; this module is the only code that knows the layout.
+PEFT's `PeftModel.from_pretrained` and vLLM's `LoRARequest` load such a directory
+as it is (tandem.json is ours; both ignore it).
+
+Design decisions:
+- The config comes from the LoRA spec and the tensors alone, never from a live
+  PEFT model, so the learner and an actor write the same bytes for the same
+  adapter. "all-linear" is a shorthand that PEFT resolves against a model and
+  vLLM does not: the modules are named explicitly, from the tensors' names
+  (which is also what PEFT records once it has resolved it).
+- Sets become sorted lists and the JSON is indented, so that a saved config is
+  stable from run to run and reads well.
+- Tensors are written as given (after `contiguous().cpu()`): whoever saves
+  chooses the dtype (the learner its training dtype, an actor the wire's).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from policy.load import LoraSpec
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+VERSION_FILE = "tandem.json"
+
+
+@dataclass
+class SavedAdapter:
+    """An adapter read back from its directory."""
+
+    version: int
+    base_model: str
+    """The base model it was trained on (`base_model_name_or_path` of its config)."""
+    config: dict[str, Any]
+    """PEFT's adapter config (`r`, `lora_alpha`, `target_modules`, ...)."""
+    tensors: dict  # name -> torch.Tensor (PEFT state-dict names)
+
+
+def adapter_config(spec: LoraSpec, tensors: dict, base_model: str) -> dict[str, Any]:
+    """PEFT's adapter config for `tensors`, an adapter of `spec` on `base_model`."""
+    config = spec.peft_config().to_dict()
+    config["target_modules"] = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+    config["base_model_name_or_path"] = base_model
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+
+
+def write_adapter(path: str | Path, tensors: dict, spec: LoraSpec, base_model: str, version: int) -> Path:
+    """Write adapter `version` (`tensors` of `spec` on `base_model`) as the directory `path`
+    (created if needed; the files of an adapter already there are replaced)."""
+    from safetensors.torch import save_file
+
+    if not tensors:
+        raise ValueError(f"adapter v{version} has no tensors: nothing to save "
+                         "(does the LoRA config target any module of the model?)")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path / WEIGHTS_FILE))
+    config = adapter_config(spec, tensors, base_model)
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str))
+    (path / VERSION_FILE).write_text(json.dumps({"version": version}))
+    return path
+
+
+def read_adapter(path: str | Path) -> SavedAdapter:
+    """The adapter saved in the directory `path`; FileNotFoundError that names the missing file,
+    ValueError for a file that is not what it should be."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    for name in (WEIGHTS_FILE, CONFIG_FILE, VERSION_FILE):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path} holds no {name}: not an adapter saved by Tandem "
+                                    "(the learner saves one at <run dir>/adapter)")
+    try:
+        version = int(json.loads((path / VERSION_FILE).read_text())["version"])
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: unreadable {VERSION_FILE} or {CONFIG_FILE}: {exc!r}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / CONFIG_FILE} holds no JSON object")
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    return SavedAdapter(version, config.get("base_model_name_or_path") or "", config, tensors)
