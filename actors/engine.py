@@ -32,6 +32,17 @@ adapts, W = W₀ + (α/r)·B·A, recomputed from a kept copy of W₀ at every up
 forward pass runs no LoRA branch: a decoding step of a small model is mostly
 per-operation overhead, and the branch triples the operations of every linear
 layer. The copy of W₀ costs the memory of the adapted weights once more.
+
+Sampling is reproducible per request, not per batch. Which episodes share a
+batch, and in which order, depends on timing (an episode whose environment call
+is still running sits a turn out), so one random stream shared by the batch
+would hand an episode different random numbers from run to run. A request
+instead carries a seed (the rollout derives it from the episode and the turn),
+and everything random about its completion is a function of that seed and the
+engine's: the torch engine samples its t-th token by inverting the row's CDF at
+a uniform hashed from (engine seed, request seed, t); the vLLM engine passes
+vLLM a per-request seed made the same way. Unseeded requests draw from the
+engine's generator, shared by the batch.
 """
 
 from __future__ import annotations
@@ -40,6 +51,32 @@ import inspect
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that scatters every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def stream_seed(*parts: int) -> int:
+    """A 63-bit seed that depends on every one of `parts` and their order (any Python ints):
+    the seed of a request from (episode, turn), or of a token from (engine seed, request seed,
+    index). Pure: the same parts give the same seed in every process."""
+    h = 0
+    for part in parts:
+        h = _mix64(h ^ _mix64(part & _MASK64))
+    return h >> 1
+
+
+def unit_uniform(seed: int) -> float:
+    """A number in [0, 1) from `seed` (53 bits, as many as a float64 holds)."""
+    return (_mix64(seed) >> 11) * 2.0**-53
 
 
 @dataclass(frozen=True)
@@ -68,7 +105,7 @@ class Engine(Protocol):
     Usage::
 
         engine = make_engine("torch", model_path, lora, device="cpu")
-        outs = engine.generate(prompts, SamplingParams(8, stop_ids), sessions=ids)
+        outs = engine.generate(prompts, SamplingParams(8, stop_ids), sessions=ids, seeds=seeds)
         engine.load_adapter(version, tensors)   # between turns, when a new one arrives
     """
 
@@ -76,9 +113,13 @@ class Engine(Protocol):
     """Version of the adapter currently applied (0 = none yet)."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 sessions: list[Hashable] | None = None) -> list[Completion]:
+                 sessions: list[Hashable] | None = None,
+                 seeds: list[int | None] | None = None) -> list[Completion]:
         """Sample one completion per prompt. `sessions` names the episode of each prompt so
-        an engine may reuse work across turns; prompts of a session only ever grow."""
+        an engine may reuse work across turns; prompts of a session only ever grow. `seeds`
+        gives each prompt's request seed: its completion is then a function of (engine seed,
+        request seed, prompt, weights) whatever else is in the batch; None (for all, or for
+        one prompt) draws from the engine's generator, which the batch shares."""
         ...
 
     def load_adapter(self, version: int, tensors: dict) -> None:
@@ -97,7 +138,7 @@ class RequestEngine(Protocol):
 
     Usage::
 
-        engine.submit(episode_id, prompt_ids, params)      # the moment the observation is ready
+        engine.submit(episode_id, prompt_ids, params, seed)  # the moment the observation is ready
         for episode_id, completion in engine.collect(timeout=0.01):
             ...                                            # step that episode's environment
         engine.load_adapter(version, tensors)              # requests started afterwards use it
@@ -106,8 +147,10 @@ class RequestEngine(Protocol):
     version: int
     """Version of the newest adapter applied (0 = none yet)."""
 
-    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams) -> None:
-        """Start sampling one completion of `prompt`; `collect` returns it under `key`."""
+    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams,
+               seed: int | None = None) -> None:
+        """Start sampling one completion of `prompt`; `collect` returns it under `key`. With a
+        `seed`, the completion depends on (engine seed, seed), not on the requests beside it."""
         ...
 
     def collect(self, timeout: float = 0.0) -> list[tuple[Hashable, Completion]]:
@@ -164,7 +207,8 @@ class TorchEngine:
         forward = inspect.signature(self.model.get_base_model().forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         self.pad_id = self.model.config.pad_token_id or 0
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.seed = seed
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for unseeded requests
         self.version = 0
         self.recompute_kv = recompute_kv
         # (LoRA layer, its base weight W₀) for every adapted layer, when merging
@@ -195,10 +239,15 @@ class TorchEngine:
 
     # -- generation -------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 sessions: list[Hashable] | None = None) -> list[Completion]:
+                 sessions: list[Hashable] | None = None,
+                 seeds: list[int | None] | None = None) -> list[Completion]:
         torch = self.torch
         if not prompts:
             return []
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"generate: one seed per prompt, got {len(seeds)} for {len(prompts)}")
+        # Each seeded row's own key: its t-th token is sampled at unit_uniform(key + t).
+        keys = [None if s is None else stream_seed(self.seed, s) for s in (seeds or [None] * len(prompts))]
         with torch.inference_mode():
             new = self._select(prompts, sessions)
             logits = self._forward(new)
@@ -206,7 +255,7 @@ class TorchEngine:
             outs = [Completion([], [], False) for _ in range(n)]
             done = [False] * n
             for t in range(params.max_new_tokens):
-                tokens, logps = self._sample(logits, params.temperature)
+                tokens, logps = self._sample(logits, params.temperature, keys, t)
                 step: list[list[int]] = []
                 for i in range(n):
                     if done[i]:
@@ -222,7 +271,9 @@ class TorchEngine:
                 logits = self._forward(step)
             return outs
 
-    def _sample(self, logits, temperature: float) -> tuple[list[int], list[float]]:
+    def _sample(self, logits, temperature: float, keys: list[int | None], t: int) -> tuple[list[int], list[float]]:
+        """The t-th token of every row: greedy, or by inverse CDF at one uniform per row, hashed
+        from the row's key (seeded rows) or drawn from the engine's generator (the others)."""
         torch = self.torch
         logits = logits.float()
         if temperature <= 0:
@@ -230,9 +281,25 @@ class TorchEngine:
             logp = torch.log_softmax(logits, -1)
         else:
             logp = torch.log_softmax(logits / temperature, -1)
-            tokens = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+            u = self._uniforms(keys, t)  # [B]
+            cdf = logp.double().exp().cumsum(-1)  # [B, V]; float64, so rare tokens keep their share
+            # right=True: the token whose interval [cdf[i-1], cdf[i]) holds u·total, so a token of
+            # probability 0 (an empty interval) is never chosen
+            tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+            tokens = tokens.clamp_(max=logits.shape[-1] - 1)
         chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
         return tokens.tolist(), chosen.tolist()
+
+    def _uniforms(self, keys: list[int | None], t: int):
+        """One number in [0, 1) per row for its t-th token, float64 on the engine's device."""
+        torch = self.torch
+        if all(k is None for k in keys):
+            return torch.rand(len(keys), generator=self.generator, dtype=torch.float64, device=self.device)
+        u = [0.0 if k is None else unit_uniform(k + t) for k in keys]
+        if any(k is None for k in keys):
+            shared = torch.rand(len(keys), generator=self.generator, dtype=torch.float64, device=self.device)
+            u = [s if k is None else x for k, x, s in zip(keys, u, shared.tolist())]
+        return torch.tensor(u, dtype=torch.float64, device=self.device)
 
     # -- the batch KV cache -----------------------------------------------
     def _reset_cache(self) -> None:

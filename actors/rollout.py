@@ -15,6 +15,13 @@ these tokens; nothing is re-tokenised.
 `between_turns` is called before every turn: the actor uses it to apply a newer
 adapter, so long episodes pick up new weights without restarting.
 
+An episode started with a `sampling_seed` asks the engine for each turn with a
+request seed made from (sampling seed, turn number), so what it samples does not
+depend on which other episodes share the batch that turn: an environment call
+that makes an episode sit a turn out changes the batch by timing, and must not
+change the other episodes' tokens. With the engine's seed and the same weights,
+a run's episodes are then the same from run to run.
+
 Environments are user code, so their resets and steps run on an `EnvRunner`:
 concurrently, each with a time limit. An environment that raises, returns
 something malformed or runs past its limit ends that episode with finish reason
@@ -30,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine import Engine, RequestEngine, SamplingParams
+from actors.engine import Engine, RequestEngine, SamplingParams, stream_seed
 from actors.envrunner import EnvRunner
 from envs.base import TextEnv
 from replay.wire import Trajectory
@@ -52,6 +59,9 @@ class Episode:
     error: str = ""
     version: int = 0
     """Policy version of the latest model turn (observations are stamped with it)."""
+    sampling_seed: int | None = None
+    """The episode's own random stream: turn k is requested with seed (sampling_seed, k). None:
+    the engine's shared generator, so the episode's tokens depend on its batch companions."""
     busy: bool = False
     """True while the environment's reset or step for this episode is running, or (with a
     request engine) while its turn is being generated."""
@@ -59,6 +69,10 @@ class Episode:
     def __post_init__(self) -> None:
         n = len(self.tokens)
         self.logprobs, self.mask, self.versions = [0.0] * n, [0] * n, [0] * n
+
+    def request_seed(self) -> int | None:
+        """The request seed of this episode's next turn (None: unseeded)."""
+        return None if self.sampling_seed is None else stream_seed(self.sampling_seed, self.turns)
 
     def append(self, tokens: list[int], trained: bool, version: int | list[int],
                logprobs: list[float] | None = None):
@@ -81,9 +95,11 @@ class Episode:
 
 
 def start(env: TextEnv, chat, runner: EnvRunner, seed: int | None = None,
-          options: dict[str, Any] | None = None, version: int = 0) -> Episode:
-    """A new episode of `env`; its reset runs on `runner` and `turn` picks up the prompt."""
-    ep = Episode(env=env, tokens=[], version=version, busy=True)
+          options: dict[str, Any] | None = None, version: int = 0,
+          sampling_seed: int | None = None) -> Episode:
+    """A new episode of `env`; its reset (with `seed` and `options`) runs on `runner` and `turn`
+    picks up the prompt. `sampling_seed` names the episode's random stream (`Episode`)."""
+    ep = Episode(env=env, tokens=[], version=version, busy=True, sampling_seed=sampling_seed)
     runner.submit(ep.session, _reset, env, seed, options)
     return ep
 
@@ -119,7 +135,8 @@ def turn(engine: Engine, chat, episodes: list[Episode], params: SamplingParams, 
     _apply(runner.collect(0.0), by_session, chat, params, max_tokens)
     ready = [e for e in episodes if e.finish_reason is None and not e.busy]
     if ready:
-        outs = engine.generate([e.tokens for e in ready], params, sessions=[e.session for e in ready])
+        outs = engine.generate([e.tokens for e in ready], params, sessions=[e.session for e in ready],
+                               seeds=[e.request_seed() for e in ready])
         for ep, out in zip(ready, outs):
             _generated(ep, out, engine.version, chat, runner)
         # Fast environments answer within the grace period and keep the batch together;
@@ -141,7 +158,7 @@ def advance(engine: RequestEngine, chat, episodes: list[Episode], params: Sampli
     _apply(runner.collect(0.0), by_session, chat, params, max_tokens)
     for ep in episodes:
         if ep.finish_reason is None and not ep.busy:
-            engine.submit(ep.session, ep.tokens, params)
+            engine.submit(ep.session, ep.tokens, params, seed=ep.request_seed())
             ep.busy = True
     if engine.pending:
         for session, out in engine.collect(timeout=POLL_S):
@@ -235,15 +252,16 @@ def evaluate(engine: Engine, chat, make_env: Callable[[], TextEnv], tasks: list[
              temperature: float = 0.0, samples: int = 1) -> dict[str, float]:
     """Success rate (reward > 0) and mean reward over `tasks` (reset options): greedy by default;
     with `temperature` > 0, each task is played `samples` times by the sampling policy and the
-    rates are over all those episodes."""
+    rates are over all those episodes. Episode i samples with its own stream i, so an engine
+    with the same seed and weights gives the same figures however the turns were batched."""
     if samples < 1 or temperature < 0 or (samples > 1 and temperature == 0):
         raise ValueError(f"evaluate: samples ≥ 1 (more than one only when sampling) and temperature ≥ 0, "
                          f"got samples={samples}, temperature={temperature}")
     own = runner is None
     runner = runner or EnvRunner()
     try:
-        episodes = [start(make_env(), chat, runner, options=opts, version=engine.version)
-                    for opts in tasks for _ in range(samples)]
+        episodes = [start(make_env(), chat, runner, options=opts, version=engine.version, sampling_seed=i)
+                    for i, opts in enumerate(o for o in tasks for _ in range(samples))]
         play(engine, chat, episodes, SamplingParams(max_new_tokens, chat.stop_ids, temperature=temperature),
              max_tokens, runner)
         for e in episodes:

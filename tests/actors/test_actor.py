@@ -105,6 +105,8 @@ def test_actor_applies_new_adapters_between_turns_and_records_versions(tiny_mode
         for t in g.trajectories:
             assert t.mask.sum() > 0 and t.finish_reason in ("terminated", "truncated")
             assert (t.logprobs[t.mask == 0] == 0).all() and (t.logprobs[t.mask == 1] <= 0).all()
+    # each episode samples from a stream of its own: a group's episodes play one task differently
+    assert any(len({t.tokens.tobytes() for t in g.trajectories}) > 1 for g in groups)
     versions = {int(v) for g in groups for t in g.trajectories for v in t.versions[t.mask == 1]}
     assert len(versions) > 1 and max(versions) > 0, "the actor never applied a new adapter"
     assert actor.stats()["adapters_applied"] >= 1
@@ -131,3 +133,37 @@ def test_evaluation_greedy_or_sampled_k_times_a_task_with_common_random_numbers(
     for bad in ({"samples": 0}, {"samples": 2}, {"temperature": -1.0}):  # several greedy plays are one play
         with pytest.raises(ValueError, match="samples"):
             run(**bad)
+
+
+def test_an_episode_samples_the_same_tokens_whichever_episodes_share_its_turns(tiny_model, chat):
+    """A slow environment step makes its episode sit turns out, so the other episodes are sampled
+    in other batches than when every step is fast; each episode samples from its own seeded
+    stream, so no episode's tokens change (a shared random stream made the evaluation above
+    depend on thread timing)."""
+    from actors.envrunner import EnvRunner
+    from actors.rollout import play, start
+    from tests.actors.test_isolation import Echo
+
+    def run(slow_s):
+        engine = TorchEngine(tiny_model, LORA, seed=5)
+        batches, generate = [], engine.generate
+
+        def spy(prompts, params, sessions=None, seeds=None):
+            batches.append(list(sessions))
+            return generate(prompts, params, sessions=sessions, seeds=seeds)
+
+        engine.generate = spy
+        runner = EnvRunner(threads=4)
+        try:
+            episodes = [start(Echo(delay_s=slow_s if i == 0 else 0.0, turns=3), chat, runner, sampling_seed=i)
+                        for i in range(4)]
+            play(engine, chat, episodes, SamplingParams(6, chat.stop_ids, temperature=1.0), 512, runner)
+        finally:
+            runner.close()
+        slow = episodes[0].session
+        return [e.tokens for e in episodes], [b for b in batches if slow not in b and len(b) > 1]
+
+    together, _ = run(0.0)
+    apart, without_slow = run(0.5)
+    assert without_slow, "the slow episode never sat a turn out"
+    assert apart == together

@@ -13,13 +13,36 @@ def full_logprobs(engine, prompt, generated):
     return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(generated)]
 
 
-def perturbed_engine(tiny_model):
-    engine = TorchEngine(tiny_model, LoraSpec(rank=4), seed=1)
+def _probe_logits(engine):
+    with torch.no_grad():
+        return engine.model(input_ids=torch.arange(1, 9)[None]).logits
+
+
+def perturbed_engine(tiny_model, seed=1):
+    """An engine whose adapter is not the identity: a random lora_B (PEFT starts it at zero),
+    applied through `load_adapter`, as actors apply adapters from the weight channel (the engine
+    merges the adapter into its weights, so writing into the LoRA parameters would change
+    nothing). Asserts that the model now computes something else."""
+    from peft import get_peft_model_state_dict
+
+    engine = TorchEngine(tiny_model, LoraSpec(rank=4), seed=seed)
     gen = torch.Generator().manual_seed(0)
-    for name, p in engine.model.named_parameters():
-        if "lora_B" in name:
-            p.data = torch.randn(p.shape, generator=gen) * 0.05
+    tensors = {k: torch.randn(v.shape, generator=gen) * 0.05 if "lora_B" in k else v.clone()
+               for k, v in get_peft_model_state_dict(engine.model).items()}
+    bare = _probe_logits(engine)
+    engine.load_adapter(1, tensors)
+    assert (_probe_logits(engine) - bare).abs().max() > 1e-3, "the perturbation left the model as it was"
     return engine
+
+
+def test_the_perturbed_engine_samples_from_the_adapted_model_not_the_bare_one(tiny_model, chat):
+    """The tests below check the engine on a perturbed adapter; this one checks that the
+    perturbation reaches the log-probs the engine records."""
+    engine, bare = perturbed_engine(tiny_model), TorchEngine(tiny_model, LoraSpec(rank=4))
+    prompt = chat.prompt_ids([{"role": "user", "content": "start\n@.#\n#.G"}])
+    out = engine.generate([prompt], SamplingParams(6, chat.stop_ids, temperature=1.0), seeds=[0])[0]
+    torch.testing.assert_close(out.logprobs, full_logprobs(engine, prompt, out.tokens), atol=1e-4, rtol=0)
+    assert max(abs(a - b) for a, b in zip(out.logprobs, full_logprobs(bare, prompt, out.tokens))) > 1e-2
 
 
 def test_logprobs_match_a_full_forward_across_turns_and_batch_changes(tiny_model, chat):
@@ -45,6 +68,48 @@ def test_greedy_is_deterministic_and_stops_on_the_stop_token(tiny_model, chat):
     stop = out1[0].tokens[0]
     out3 = engine.generate([prompt], SamplingParams(6, (stop,), temperature=0.0))
     assert out3[0].tokens == [stop] and out3[0].stopped
+
+
+def test_a_seeded_request_samples_the_same_tokens_in_any_batch(tiny_model, chat):
+    """Which episodes share a turn, and in which order, depends on timing (an environment call
+    may make an episode sit a turn out); a seeded request's tokens must not: they are a function
+    of (engine seed, request seed, prompt) only."""
+    params = SamplingParams(8, chat.stop_ids, temperature=1.0)
+    texts = ["start\n@.#\n#.G", "hello", "a longer opening message", "late joiner", "hello"]
+    prompts = [chat.prompt_ids([{"role": "user", "content": t}]) for t in texts]
+    engine = perturbed_engine(tiny_model)
+    alone = [engine.generate([p], params, seeds=[s])[0] for s, p in enumerate(prompts)]
+    batches = [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0], [3, 1, 4]]
+    for rows in batches:  # new sessions each time, so the cache is rebuilt or grown, never shared
+        outs = engine.generate([prompts[i] for i in rows], params, sessions=[(tuple(rows), i) for i in rows],
+                               seeds=rows)
+        for i, out in zip(rows, outs):
+            assert out.tokens == alone[i].tokens, (rows, i)
+            torch.testing.assert_close(out.logprobs, alone[i].logprobs, atol=1e-4, rtol=0)
+    # The seed is what decides: the same prompt under another seed, or in another engine seed,
+    # samples other tokens (prompts 1 and 4 are the same text).
+    assert alone[1].tokens != alone[4].tokens
+    other = perturbed_engine(tiny_model, seed=2)
+    assert [o.tokens for o in other.generate(prompts, params, seeds=list(range(5)))] != [a.tokens for a in alone]
+
+
+def test_sampling_follows_the_distribution_it_records(tiny_model, chat):
+    """Inverse-CDF sampling from hashed uniforms draws every token of the vocabulary with the
+    probability the model gives it (temperature 0.7): over many request seeds, each token's
+    frequency is within 4 standard errors of its probability, and a sampled token's recorded
+    log-prob is log of that probability."""
+    engine = perturbed_engine(tiny_model)
+    prompt = chat.prompt_ids([{"role": "user", "content": "hello"}])
+    n = 2000
+    outs = engine.generate([prompt] * n, SamplingParams(1, chat.stop_ids, temperature=0.7), seeds=list(range(n)))
+    with torch.no_grad():
+        probs = torch.softmax(engine.model(input_ids=torch.tensor([prompt])).logits[0, -1] / 0.7, -1)  # [V]
+    freq = torch.bincount(torch.tensor([o.tokens[0] for o in outs]), minlength=len(probs)) / n  # [V]
+    bound = 4 * (probs * (1 - probs) / n).sqrt() + 2 / n
+    assert ((freq - probs).abs() <= bound).all(), (freq - probs).abs().max()
+    assert (freq > 0).sum() > 1
+    for o in outs[:50]:
+        assert abs(o.logprobs[0] - probs[o.tokens[0]].log().item()) < 1e-4
 
 
 def test_unknown_engine_is_a_clear_error(tiny_model):
