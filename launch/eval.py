@@ -5,7 +5,8 @@ S (S = the environment's evaluation seed, 64064 for the maze, gives maze-64).
 With --temperature T > 0 the sampling policy plays each task --samples times
 instead, and the rate is over all those episodes.
 The base model is the one the adapter was trained on (recorded in its
-adapter_config.json) unless --model says otherwise.
+adapter_config.json) unless --model says otherwise; the engine is built with
+the adapter's own LoRA spec (rank, alpha and target modules, from the same file).
 """
 
 from __future__ import annotations
@@ -46,20 +47,33 @@ def main(args: EvalArgs) -> dict:
     if args.adapter != "none":
         try:
             adapter = read_adapter(args.adapter)
+            lora = adapter.lora_spec()
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"error: {exc}") from None
     cfg = Config(env=args.env, learners=1, model=args.model or (adapter.base_model if adapter else "auto"))
     if adapter is not None:
-        lora = adapter.config
-        cfg.learner.lora.rank, cfg.learner.lora.alpha = int(lora["r"]), float(lora["lora_alpha"])
+        cfg.learner.lora = lora
     model_path = resolve_policy(cfg)
-    ev = Evaluator(cfg, model_path, seed=args.seed, episodes=args.episodes)
-    if adapter is not None:
-        ev.load(adapter.version, adapter.tensors)
+    ev = None
     try:
-        result = ev.evaluate(args.temperature, args.samples)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        try:
+            ev = Evaluator(cfg, model_path, seed=args.seed, episodes=args.episodes)
+            if adapter is not None:
+                ev.load(adapter.version, adapter.tensors)
+        except ValueError as exc:
+            if adapter is None:
+                raise
+            # The engine builds its LoRA layers from the adapter's spec: a module the model lacks
+            # fails there (PEFT's message), a tensor that does not fit in `load`.
+            raise SystemExit(f"error: the adapter in {adapter.path} (LoRA {lora.to_dict()}) cannot be applied "
+                             f"to {model_path}: {exc}") from None
+        try:
+            result = ev.evaluate(args.temperature, args.samples)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+    finally:
+        if ev is not None:
+            ev.close()
     how = f"sampled at temperature {args.temperature}, {args.samples} a task" if args.temperature else "greedy"
     print(f"{args.episodes} tasks of {args.env} (seed {args.seed if args.seed is not None else 'eval'}), "
           f"{result['episodes']} episodes: {how} success {result['success_rate']:.1%}")

@@ -20,6 +20,12 @@ Design decisions:
   stable from run to run and reads well.
 - Tensors are written as given (after `contiguous().cpu()`): whoever saves
   chooses the dtype (the learner its training dtype, an actor the wire's).
+- Reading an adapter back gives its whole LoRA spec (`SavedAdapter.lora_spec`:
+  rank, alpha, target modules), so an engine is built with the adapter as it
+  was trained. A config the engines cannot apply as written (a module pattern
+  instead of names, tensors of other modules than it names, PEFT options such
+  as DoRA that `LoraSpec` has no field for) is refused there, not evaluated as
+  something else.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from policy.load import LoraSpec
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 VERSION_FILE = "tandem.json"
+UNSUPPORTED = ("use_dora", "use_rslora", "layers_to_transform", "rank_pattern", "alpha_pattern",
+               "exclude_modules", "modules_to_save")
+"""PEFT config fields that change what an adapter computes and that no LoraSpec sets."""
 
 
 @dataclass
@@ -46,12 +55,51 @@ class SavedAdapter:
     config: dict[str, Any]
     """PEFT's adapter config (`r`, `lora_alpha`, `target_modules`, ...)."""
     tensors: dict  # name -> torch.Tensor (PEFT state-dict names)
+    path: Path
+    """The directory it was read from."""
+
+    def lora_spec(self) -> LoraSpec:
+        """The LoRA spec it was trained with (rank, alpha, target modules), to build an engine
+        or a learner for it; ValueError naming the adapter and what an engine could not apply."""
+        config, where = self.config, self.path / CONFIG_FILE
+        try:
+            rank, alpha = int(config["r"]), float(config["lora_alpha"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: no usable LoRA rank `r` and `lora_alpha` ({exc!r})") from None
+        targets = config.get("target_modules")
+        if targets == "all-linear":
+            targets = ["all-linear"]
+        if not (isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
+            # PEFT also takes a regular expression here; LoraSpec, and so the engines, take names.
+            raise ValueError(f"{where}: target_modules is {targets!r}; Tandem applies a list of module "
+                             "names (such as [\"q_proj\", \"v_proj\"]) or \"all-linear\"")
+        adapted = _modules(self.tensors)
+        if targets != ["all-linear"] and adapted != set(targets):
+            raise ValueError(f"{where}: target_modules {sorted(targets)}, but the tensors of "
+                             f"{self.path / WEIGHTS_FILE} adapt {sorted(adapted)}")
+        ranks = {t.shape[0] for name, t in self.tensors.items() if ".lora_A." in name and t.dim() == 2}
+        if ranks - {rank}:
+            raise ValueError(f"{where}: r is {rank}, but the tensors of {self.path / WEIGHTS_FILE} have "
+                             f"rank {sorted(ranks)}")
+        unsupported = [k for k in UNSUPPORTED if config.get(k)]
+        if unsupported:
+            raise ValueError(f"{where}: sets {', '.join(f'{k}={config[k]!r}' for k in unsupported)}, which "
+                             "Tandem's engines do not apply (they apply rank, alpha and target modules only)")
+        try:
+            return LoraSpec(rank=rank, alpha=alpha, target_modules=list(targets))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+def _modules(tensors: dict) -> set[str]:
+    """The names of the modules an adapter's tensors adapt (`...self_attn.q_proj.lora_A.weight`: q_proj)."""
+    return {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors}
 
 
 def adapter_config(spec: LoraSpec, tensors: dict, base_model: str) -> dict[str, Any]:
     """PEFT's adapter config for `tensors`, an adapter of `spec` on `base_model`."""
     config = spec.peft_config().to_dict()
-    config["target_modules"] = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+    config["target_modules"] = sorted(_modules(tensors))
     config["base_model_name_or_path"] = base_model
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
 
@@ -91,4 +139,4 @@ def read_adapter(path: str | Path) -> SavedAdapter:
     if not isinstance(config, dict):
         raise ValueError(f"{path / CONFIG_FILE} holds no JSON object")
     tensors = load_file(str(path / WEIGHTS_FILE))
-    return SavedAdapter(version, config.get("base_model_name_or_path") or "", config, tensors)
+    return SavedAdapter(version, config.get("base_model_name_or_path") or "", config, tensors, path)

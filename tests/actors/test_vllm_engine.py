@@ -63,6 +63,49 @@ def test_greedy_stops_on_a_stop_token_and_is_deterministic(engine, chat):
     assert c.tokens == [stop] and c.stopped
 
 
+def test_a_seeded_request_samples_the_same_tokens_whatever_runs_beside_it(engine, chat):
+    """A seeded turn's tokens are a function of (engine seed, request seed, prompt, adapter),
+    not of the requests vLLM batches with it: the same alone, first or last in a crowd of
+    seeded and unseeded requests (the unseeded ones draw from vLLM's shared generator), and
+    joining a crowd that has been sampling for a while. Log-probs agree to float tolerance (a
+    batch of another shape may sum in another order). Another seed samples other tokens: at
+    temperature 1 with no stop token, 32 tokens of a near-uniform tiny model do not collide."""
+    params, long = SamplingParams(32, (), temperature=1.0), SamplingParams(200, (), temperature=1.0)
+    prompts = prompts_for(chat, 6)
+    target, seed = prompts[0], 1234
+    alone = engine.generate([target], params, seeds=[seed])[0]
+    assert len(alone.tokens) == 32
+    # (prompt, params, seed): the target's prompt under another seed is others[3].
+    others = [(prompts[1], params, None), (prompts[2], long, 7), (prompts[3], params, None),
+              (target, params, seed + 1), (prompts[4], long, None), (prompts[5], params, 8)]
+
+    def crowd(tag, order, target_at, join_late=False):
+        """Submit `others` in `order`, the target at position `target_at`; with `join_late`, the
+        target only once every request before it has sampled a few tokens."""
+        subs = [((tag, i), *others[i]) for i in order]
+        subs.insert(target_at, ((tag, "target"), target, params, seed))
+        for n, (key, prompt, p, s) in enumerate(subs):
+            if join_late and key == (tag, "target"):
+                while any(len(engine._turns[k].tokens) < 4 for k, *_ in subs[:n]):
+                    time.sleep(0.01)
+            engine.submit(key, prompt, p, s)
+        done = {}
+        while len(done) < len(subs):
+            done.update(engine.collect(timeout=1.0))
+        return done
+
+    atol = {"float32": 1e-4, "bfloat16": 5e-2}[DTYPE]
+    runs = {"first": crowd("first", [0, 1, 2, 3, 4, 5], 0),
+            "last": crowd("last", [5, 4, 3, 2, 1, 0], 6),
+            "joins": crowd("joins", [4, 1, 3, 0, 5, 2], 6, join_late=True)}
+    for tag, done in runs.items():
+        out = done[(tag, "target")]
+        assert out.tokens == alone.tokens, f"target {tag}: its tokens changed with the requests beside it"
+        torch.testing.assert_close(out.logprobs, alone.logprobs, atol=atol, rtol=0)
+        assert done[(tag, 3)].tokens != alone.tokens, "another seed sampled the same tokens"
+    assert engine.generate([target], params, seeds=[seed + 1])[0].tokens == runs["first"][("first", 3)].tokens
+
+
 def test_logprobs_agree_with_the_learners_scoring_of_the_same_tokens(engine, tiny_model, chat, adapters):
     """Parity: μ recorded by vLLM and π scored by the learner, same adapter, same temperature.
     In float32 (vLLM's CPU build) they agree to about 1e-5; the torch engine is held to the

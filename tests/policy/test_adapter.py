@@ -62,6 +62,19 @@ def test_an_adapter_reads_back_whole_and_peft_loads_it(tiny_model, spec, tmp_pat
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=["all-linear", "q_v"])
+def test_an_adapter_reads_back_with_the_lora_spec_it_was_saved_with(tiny_model, spec, tmp_path):
+    """Rank, alpha and target modules; "all-linear" comes back as the modules it named, which
+    builds the same layers."""
+    _, tensors = _trained(tiny_model, spec)
+    write_adapter(tmp_path, tensors, spec, tiny_model, 3)
+    back = read_adapter(tmp_path).lora_spec()
+    assert (back.rank, back.alpha) == (spec.rank, spec.alpha)
+    assert back.target_modules == sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
+    _, rebuilt = _trained(tiny_model, back)
+    assert rebuilt.keys() == tensors.keys()
+
+
 def test_the_config_names_the_adapted_modules_from_the_tensors():
     tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 4),
                "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight": torch.zeros(4, 2)}

@@ -1,0 +1,92 @@
+"""`launch.eval` in process on the tiny model: the engine evaluates a saved adapter with the LoRA
+spec it was saved with, and an adapter it cannot apply is refused with a message that names it."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from launch.eval import EvalArgs, main
+from policy.adapter import write_adapter
+from policy.load import LoraSpec, load_model, with_lora
+
+Q_V = LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+
+
+def _save(tiny_model, spec, path, version=5):
+    """An adapter of `spec` on the tiny model, its B matrices off zero, saved as the learner saves it."""
+    from peft import get_peft_model_state_dict
+
+    torch.manual_seed(0)
+    model = with_lora(load_model(tiny_model), spec)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    write_adapter(path, tensors, spec, tiny_model, version)
+    return tensors
+
+
+def test_an_adapter_with_its_own_target_modules_is_evaluated_as_saved(tiny_model, tmp_path, monkeypatch):
+    """Saved with q_proj and v_proj only (rank 4, alpha 8): the engine's adapter has exactly the
+    saved tensors, not the default "all-linear" layers of the default rank with these copied in."""
+    from peft import get_peft_model_state_dict
+    from peft.tuners.lora import LoraLayer
+
+    from launch.monitor import Evaluator
+
+    saved = _save(tiny_model, Q_V, tmp_path / "adapter")
+    seen = {}
+    evaluate = Evaluator.evaluate
+
+    def watched(self, *args, **kwargs):
+        seen["lora"] = self.cfg.learner.lora  # what the engine was built with
+        seen["tensors"] = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.engine.model).items()}
+        seen["scaling"] = {m.scaling["default"] for m in self.engine.model.modules() if isinstance(m, LoraLayer)}
+        seen["version"] = self.version
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Evaluator, "evaluate", watched)
+    result = main(EvalArgs(str(tmp_path / "adapter"), episodes=2))
+    assert result["episodes"] == 2 and 0.0 <= result["success_rate"] <= 1.0
+    assert seen["lora"].to_dict() == Q_V.to_dict() and seen["version"] == 5
+    assert seen["tensors"].keys() == saved.keys()
+    for k in saved:
+        torch.testing.assert_close(seen["tensors"][k], saved[k], rtol=0, atol=0)
+    assert seen["scaling"] == {Q_V.alpha / Q_V.rank}
+
+
+def _edit(path, config=None, rename=None):
+    """Rewrite the saved adapter at `path`: `config` updates its adapter_config.json, `rename`
+    (old, new) renames its tensors' module."""
+    from safetensors.torch import load_file, save_file
+
+    if config:
+        file = path / "adapter_config.json"
+        file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
+    if rename:
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+        save_file({k.replace(*rename): v for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("edit, problem", [
+    # The model has no module of that name: the engine's LoRA layers cannot be built.
+    (dict(config={"target_modules": ["qq_proj", "v_proj"]}, rename=("q_proj", "qq_proj")), "qq_proj"),
+    # A module pattern (PEFT takes a regular expression there); the engines take names.
+    (dict(config={"target_modules": r".*\.(q|v)_proj"}), "list of module names"),
+    # The config names modules the tensors do not adapt.
+    (dict(config={"target_modules": ["k_proj", "q_proj", "v_proj"]}), r"adapt \['q_proj', 'v_proj'\]"),
+    (dict(config={"use_dora": True}), "use_dora=True"),
+], ids=["unknown-module", "pattern", "config-and-tensors-disagree", "dora"])
+def test_target_modules_the_engine_cannot_apply_are_refused_naming_the_adapter(tiny_model, tmp_path, edit,
+                                                                               problem):
+    path = tmp_path / "adapter"
+    _save(tiny_model, Q_V, path)
+    _edit(path, **edit)
+    with pytest.raises(SystemExit) as exit:
+        main(EvalArgs(str(path), episodes=1))
+    message = str(exit.value.code)
+    assert str(path) in message, message
+    assert re.search(problem, message), message
