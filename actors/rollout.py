@@ -247,25 +247,42 @@ def close(ep: Episode) -> None:
         ep.error = f"close failed: {exc!r}"
 
 
+EVAL_WAVE = 64
+"""Episodes `evaluate` gives a batch engine at once. A batch engine pads each generation to its
+longest row, and an episode that joins a running batch widens that generation to its whole
+prompt for every row; so evaluation plays waves of episodes that start together, and the next
+wave starts when the last one has finished. A request engine (vLLM) schedules its own batches
+and gets every episode at once."""
+
+
 def evaluate(engine: Engine, chat, make_env: Callable[[], TextEnv], tasks: list[dict[str, Any]],
              max_new_tokens: int, max_tokens: int, runner: EnvRunner | None = None,
-             temperature: float = 0.0, samples: int = 1) -> dict[str, float]:
+             temperature: float = 0.0, samples: int = 1, wave: int = EVAL_WAVE) -> dict[str, float]:
     """Success rate (reward > 0) and mean reward over `tasks` (reset options): greedy by default;
     with `temperature` > 0, each task is played `samples` times by the sampling policy and the
     rates are over all those episodes. Episode i samples with its own stream i, so an engine
-    with the same seed and weights gives the same figures however the turns were batched."""
+    with the same seed and weights gives the same figures however the turns were batched, and
+    whatever `wave` (episodes played at once by a batch engine, see EVAL_WAVE) is."""
     if samples < 1 or temperature < 0 or (samples > 1 and temperature == 0):
         raise ValueError(f"evaluate: samples ≥ 1 (more than one only when sampling) and temperature ≥ 0, "
                          f"got samples={samples}, temperature={temperature}")
+    if wave < 1:
+        raise ValueError(f"evaluate: wave must be at least 1, got {wave}")
+    jobs = list(enumerate(o for o in tasks for _ in range(samples)))
+    if isinstance(engine, RequestEngine):
+        wave = max(1, len(jobs))
     own = runner is None
     runner = runner or EnvRunner()
+    params = SamplingParams(max_new_tokens, chat.stop_ids, temperature=temperature)
+    episodes: list[Episode] = []
     try:
-        episodes = [start(make_env(), chat, runner, options=opts, version=engine.version, sampling_seed=i)
-                    for i, opts in enumerate(o for o in tasks for _ in range(samples))]
-        play(engine, chat, episodes, SamplingParams(max_new_tokens, chat.stop_ids, temperature=temperature),
-             max_tokens, runner)
-        for e in episodes:
-            close(e)
+        for first in range(0, len(jobs), wave):
+            batch = [start(make_env(), chat, runner, options=opts, version=engine.version, sampling_seed=i)
+                     for i, opts in jobs[first:first + wave]]
+            episodes += batch
+            play(engine, chat, batch, params, max_tokens, runner)
+            for e in batch:
+                close(e)
     finally:
         if own:
             runner.close()

@@ -130,9 +130,13 @@ def test_evaluation_greedy_or_sampled_k_times_a_task_with_common_random_numbers(
     sampled = run(temperature=1.0, samples=4)
     assert sampled["episodes"] == 12
     assert run(temperature=1.0, samples=4) == sampled  # a fresh engine with the same seed plays the same episodes
+    for wave in (1, 5):  # played in waves of any size (a batch engine's evaluation), the same episodes
+        assert run(temperature=1.0, samples=4, wave=wave) == sampled
     for bad in ({"samples": 0}, {"samples": 2}, {"temperature": -1.0}):  # several greedy plays are one play
         with pytest.raises(ValueError, match="samples"):
             run(**bad)
+    with pytest.raises(ValueError, match="wave must be at least 1"):
+        run(wave=0)
 
 
 def test_an_episode_samples_the_same_tokens_whichever_episodes_share_its_turns(tiny_model, chat):
