@@ -225,6 +225,7 @@ def main(args: Args) -> int:
             raise SystemExit(f"error: unknown correction {c!r} in --corrections; choose from {CORRECTIONS}")
     if not args.seeds or len(set(args.seeds)) != len(args.seeds):
         raise SystemExit(f"error: --seeds needs at least one seed and no repeats, got {args.seeds}")
+    jobs = args.jobs or os.cpu_count() or 1
     model_path = ensure_warmstart(log=lambda m: print(m, file=sys.stderr, flush=True))
     cells = [(eta, c) for eta in args.etas for c in args.corrections]
     runs = [(eta, c, seed) for seed in args.seeds for eta, c in cells]
@@ -232,7 +233,6 @@ def main(args: Args) -> int:
           f"of {args.groups_per_step}×{args.group_size} episodes, lr {args.lr}, {args.mini_batches} mini-batch(es) "
           f"a step, tis cap {args.is_cap}, decoupled drop cap {args.drop_cap}, behaviour clip {args.behaviour_clip}, "
           f"{jobs} at a time", flush=True)
-    jobs = args.jobs or os.cpu_count() or 1
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     results, pending, live = {}, list(runs), {}
