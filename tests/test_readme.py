@@ -1,5 +1,13 @@
-"""The README's "Write your own environment" example, run as a reader would: saved as guess.py,
-checked with Gymnasium's checker, played, and trained on with the main job."""
+"""The README, read as a new user would: every command in it is one that works, and its
+"Write your own environment" example is saved as guess.py, checked with Gymnasium's checker,
+played, and trained on with the main job.
+
+Every command line in the README's shell blocks is checked here: `python -m launch.async ...`
+lines parse into a valid config (a misspelt flag or a bad value fails), the other modules'
+lines parse with their own argument parsers, the install and test lines are those CI runs
+(`.ci/run`), and the example's commands run. The jobs themselves run in
+tests/launch/test_smoke.py (the quick start, vLLM actors), tests/launch/test_ppo_smoke.py and
+below (guess:GuessEnv)."""
 
 import importlib.util
 import re
@@ -10,7 +18,15 @@ from pathlib import Path
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def readme_commands() -> list[str]:
+    """Each command of the README's ```bash blocks (comments dropped, `&&` chains split)."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.DOTALL)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [part.strip() for line in lines if line for part in line.split("&&")]
 
 
 def example_source() -> str:
@@ -55,3 +71,68 @@ def test_example_trains_with_the_main_job(guess, tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "done: 2 steps" in run.stdout
+
+
+def _argv(command: str, module: str) -> list[str]:
+    import shlex
+
+    return shlex.split(command)[len(["python", "-m", module]):]
+
+
+def test_the_readme_is_for_users_not_a_lab_notebook():
+    """Measurements live in docs/, dated, with the commands that reproduce them."""
+    assert len(README.read_text().splitlines()) <= 250
+    for doc in re.findall(r"\]\((docs/[\w.]+\.md)", README.read_text()):
+        text = (ROOT / doc).read_text()
+        assert re.search(r"20\d\d-\d\d-\d\d", text), f"{doc} carries no date"
+        assert "python -m " in text, f"{doc} names no command that reproduces it"
+
+
+def test_every_readme_command_is_known_and_parses(tmp_path, monkeypatch):
+    import shutil
+
+    import tyro
+
+    from launch.config import Config
+    from launch.eval import EvalArgs
+    from launch.plot import PlotArgs
+
+    ci = (ROOT / ".ci" / "run").read_text().replace(" -q", "")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    extras = set(re.findall(r"^([\w-]+) = \[", pyproject.split("[project.optional-dependencies]")[1].split("\n[")[0],
+                            re.MULTILINE))
+    parsers = {"launch.eval": EvalArgs, "launch.plot": PlotArgs}
+    (tmp_path / "guess.py").write_text(example_source())  # the example's commands run beside it
+    monkeypatch.syspath_prepend(str(tmp_path))
+    commands = readme_commands()
+    assert "python -m launch.async --actors 6 --learners 2" in commands  # the quick start
+    for command in commands:
+        if command.startswith("python -m launch.async"):
+            tyro.cli(Config, args=_argv(command, "launch.async"))  # raises on an unknown flag or a bad value
+        elif command.startswith("python -m "):
+            module = command.split()[2]
+            if module in parsers:
+                tyro.cli(parsers[module], args=_argv(command, module))
+            else:
+                pytest.fail(f"README command {command!r}: add its module to this test")
+        elif command.startswith("pip install -e"):
+            extra = re.fullmatch(r"pip install -e (?:\.|'\.\[([\w-]+)\]')", command)
+            assert extra, command
+            assert extra.group(1) in extras | {None}, f"{command!r}: no such extra in pyproject.toml"
+        elif command.startswith(("pip uninstall", "pytest")):
+            assert command in ci, f"{command!r} is not what .ci/run does"
+        elif command.startswith("tensorboard "):
+            assert shutil.which("tensorboard") or importlib.util.find_spec("tensorboard"), command
+        elif not command.startswith("python -c "):  # the checker line: run below
+            pytest.fail(f"README command {command!r} is not checked by this test")
+    assert "pip install -e '.[test]'" in ci and "pip install -e '.[test]'" in commands
+
+
+def test_the_example_checker_command_runs(guess, tmp_path):
+    line = next(c for c in readme_commands() if c.startswith("python -c "))
+    import shlex
+
+    (tmp_path / "guess.py").write_text(example_source())
+    run = subprocess.run([sys.executable, *shlex.split(line)[1:]], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -1,5 +1,6 @@
 """Bad configuration fails at once, with a message that says what to change."""
 
+import re
 import subprocess
 import sys
 
@@ -61,3 +62,15 @@ def test_help_lists_the_headline_flags():
     for flag in ("--actors", "--learners", "--colocate", "--steps", "--logdir", "--max-staleness",
                  "--model", "--env", "--seed", "--ray-address", "--learner.lr", "--replay.capacity"):
         assert flag in run.stdout
+
+
+def test_help_is_reference_not_a_lab_notebook():
+    """Figures and their history belong in docs/; a flag's help says what it does."""
+    run = subprocess.run([sys.executable, "-m", "launch.async", "--help"], capture_output=True, text=True, timeout=60)
+    text = " ".join(run.stdout.split())
+    for pattern in (r"measured", r"\d ?×", r"\d+(\.\d+)? ?s in", r"traj/s", r"\d+(\.\d+)? ?%"):
+        assert not re.search(pattern, text), f"--help carries a measurement: {re.search(pattern, text)[0]!r}"
+
+
+def test_a_run_has_no_time_limit_unless_asked():
+    assert Config().max_minutes == 0
