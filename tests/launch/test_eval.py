@@ -9,22 +9,15 @@ import torch
 
 from launch.eval import EvalArgs, main
 from policy.adapter import write_adapter
-from policy.load import LoraSpec, load_model, with_lora
+from policy.load import LoraSpec
+from tests.policy.test_adapter import _trained
 
 Q_V = LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
 
 
 def _save(tiny_model, spec, path, version=5):
     """An adapter of `spec` on the tiny model, its B matrices off zero, saved as the learner saves it."""
-    from peft import get_peft_model_state_dict
-
-    torch.manual_seed(0)
-    model = with_lora(load_model(tiny_model), spec)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-    tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    _, tensors = _trained(tiny_model, spec)
     write_adapter(path, tensors, spec, tiny_model, version)
     return tensors
 
