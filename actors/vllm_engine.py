@@ -160,6 +160,11 @@ class VLLMEngine:
             enable_lora=True, max_lora_rank=lora_rank_slot(max_lora_rank or lora.rank), max_loras=max_loras,
             gpu_memory_utilization=memory_fraction, kv_cache_memory_bytes=kv_bytes,
             enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+            # Seeded requests: vLLM discards the token sampled at the end of a partial prefill and
+            # rewinds that request's generator, which only CUDA generators can do (a CPU one
+            # raises "CPU Generator does not use offset" and kills the engine). So on CPUs a
+            # prompt's prefill is never split across steps.
+            enable_chunked_prefill=self.cuda,
             distributed_executor_backend="uni", enforce_eager=enforce_eager, disable_log_stats=True)
         self._shapes = adapter_shapes(model_path, lora)
         shm = Path("/dev/shm")

@@ -106,6 +106,31 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_runs_beside_it(engine
     assert engine.generate([target], params, seeds=[seed + 1])[0].tokens == runs["first"][("first", 3)].tokens
 
 
+def test_seeded_requests_whose_prompts_exceed_a_step_complete(engine, chat):
+    """Many long seeded prompts at once, more tokens than one engine step takes: on a CPU vLLM
+    would split a prefill across steps and then rewind the request's generator, which a CPU
+    generator cannot do (the engine died with "CPU Generator does not use offset" in a run
+    with several actors); every request completes, and seeded ones as they would alone."""
+    import random
+
+    rng = random.Random(0)
+    vocab = [t for t in range(len(chat.tokenizer)) if t not in chat.stop_ids]
+    prompts = [[rng.choice(vocab) for _ in range(1000)] for _ in range(8)]  # 8,000 distinct tokens
+    params = SamplingParams(8, chat.stop_ids, temperature=1.0)
+    for i, p in enumerate(prompts):
+        engine.submit(("long", i), p, params, seed=i)
+    done = {}
+    deadline = time.time() + 600
+    while len(done) < len(prompts):
+        assert time.time() < deadline, f"{len(done)} of {len(prompts)} long requests came back"
+        done.update(engine.collect(timeout=1.0))
+    engine.submit(("alone", 3), prompts[3], params, seed=3)
+    alone = {}
+    while not alone:
+        alone.update(engine.collect(timeout=1.0))
+    assert alone[("alone", 3)].tokens == done[("long", 3)].tokens
+
+
 def test_logprobs_agree_with_the_learners_scoring_of_the_same_tokens(engine, tiny_model, chat, adapters):
     """Parity: μ recorded by vLLM and π scored by the learner, same adapter, same temperature.
     In float32 (vLLM's CPU build) they agree to about 1e-5; the torch engine is held to the
