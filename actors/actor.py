@@ -69,6 +69,9 @@ class ActorConfig:
     (bfloat16 for vLLM on a GPU, whose LoRA kernels take only 16-bit types; float32 otherwise)."""
     threads: int = 1
     """CPU threads per actor process (torch's, and vLLM's CPU build's OpenMP threads)."""
+    spread: bool = True
+    """On a Ray cluster, spread the actors over its nodes (Ray's SPREAD strategy); --actor.no-spread
+    lets Ray pack them onto as few nodes as hold them (its default)."""
     env_timeout_s: float = 30.0
     """Time limit of one environment reset or step; past it the episode ends with finish reason
     "env_error" and the rest of the batch goes on."""

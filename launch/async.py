@@ -15,18 +15,11 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
 
 from launch.config import Config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(cfg: Config) -> int:
@@ -36,6 +29,7 @@ def main(cfg: Config) -> int:
     import ray
     import torch
 
+    from launch import cluster
     from launch.monitor import Board
     from launch.parts import ActorPart, LearnerPart, ReplayPart, resolve_policy
 
@@ -53,15 +47,16 @@ def main(cfg: Config) -> int:
 
     env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
-    # `--env module:Class` imports the user's module in every actor: from the directory the job
-    # was started in, as it would be in this process.
-    env_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
-    parts = 1 + cfg.learners + cfg.actors
-    if cfg.ray_address:
-        ray.init(address=cfg.ray_address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+    joining = bool(cfg.ray_address)
+    runtime_env = cluster.runtime_env(env_vars, cfg.env, joining)
+    if joining:
+        try:
+            cluster.join(cfg.ray_address, runtime_env)
+        except cluster.JoinError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, parts), include_dashboard=False,
-                 runtime_env={"env_vars": env_vars}, log_to_driver=True, logging_level="warning")
+        cluster.start_local(max(os.cpu_count() or 1, 1 + cfg.learners + cfg.actors), runtime_env)
     _catch_interrupts()  # after ray.init, which installs handlers of its own
     actor_gpus = 1 if cfg.actor.device == "cuda" else 0  # each actor's engine on a GPU of its own
     have = ray.cluster_resources().get("GPU", 0)
@@ -71,18 +66,32 @@ def main(cfg: Config) -> int:
               f"the Ray cluster has {have:g}. Use fewer --actors, more GPUs, or --actor.device cpu.",
               file=sys.stderr)
         return 2
+    if joining:
+        problems = cluster.problems_text(cluster.check_nodes(cfg.env, model_path))
+        if problems:
+            ray.shutdown()
+            print(f"error: nodes of the cluster at {cfg.ray_address} cannot run this job:\n{problems}", file=sys.stderr)
+            return 2
     board = Board(logdir, cfg.steps)
     try:
         Replay = ray.remote(num_cpus=1)(ReplayPart)
         Learner = ray.remote(num_cpus=1, max_concurrency=2)(LearnerPart)
         Actor = ray.remote(num_cpus=1, num_gpus=actor_gpus, max_concurrency=2)(ActorPart)
         key = secrets.token_bytes(32) if cfg.replay.sign else None  # this run's frame-signing key
-        replay = Replay.remote(cfg, key)
+        group = cluster.placement(cfg.learners)  # replay and the learners, packed together
+        replay = Replay.options(**cluster.in_bundle(group, 0)).remote(cfg, key)
         endpoint = ray.get(replay.address.remote())
-        dist_url = f"tcp://{cfg.replay.host}:{_free_port()}"
-        learners = [Learner.remote(cfg, model_path, r, dist_url, endpoint, key) for r in range(cfg.learners)]
-        weights = ray.get([lr.setup.remote() for lr in learners])[0]
-        actors = [Actor.remote(cfg, model_path, i, endpoint, weights, key) for i in range(cfg.actors)]
+        learners = [Learner.options(**cluster.in_bundle(group, 1 + r)).remote(cfg, model_path, r, endpoint, key)
+                    for r in range(cfg.learners)]
+        dist_url = ray.get(learners[0].rendezvous.remote())  # on rank 0's node
+        weights = ray.get([lr.setup.remote(dist_url) for lr in learners])[0]
+        spread = "SPREAD" if cfg.actor.spread else "DEFAULT"
+        actors = [Actor.options(scheduling_strategy=spread).remote(cfg, model_path, i, endpoint, weights, key)
+                  for i in range(cfg.actors)]
+        if joining:
+            names = ["replay", *(f"learner-{r}" for r in range(cfg.learners)), *(f"actor-{i}" for i in range(cfg.actors))]
+            rows = ray.get([p.where.remote() for p in (replay, *learners, *actors)], timeout=600)
+            print(cluster.table(list(zip(names, rows)), cluster.where()), flush=True)
         runs = [a.run.remote() for a in actors]
         training = [lr.train.remote() for lr in learners]
         _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, actors, runs)

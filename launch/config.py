@@ -147,7 +147,8 @@ class Config:
     seed: int = 0
     """Seed for task sampling, the engines' samplers and adapter initialisation."""
     ray_address: str | None = None
-    """Ray cluster to join (e.g. "auto"); default: start a local Ray instance."""
+    """Ray cluster to join ("HEAD_ADDRESS:PORT", or "auto" on one of its nodes); default: start a
+    Ray of this job's own on this machine (never a cluster that `ray start` or RAY_ADDRESS points at)."""
     eval_every: int = 10
     """Evaluate greedily on the fixed evaluation set every this many policy versions."""
     eval_episodes: int = 64
@@ -186,6 +187,9 @@ class Config:
         if 0 < self.actor.max_lora_rank < self.learner.lora.rank:
             raise ValueError(f"--actor.max-lora-rank ({self.actor.max_lora_rank}) is below --learner.lora.rank "
                              f"({self.learner.lora.rank}): the engine could not load the adapters")
+        if self.ray_address and not self.replay.sign:
+            raise ValueError("--replay.no-sign with --ray-address: frames between nodes are always signed with the "
+                             "run's key (drop --replay.no-sign)")
         if self.learner.groups_per_step % self.learners:
             raise ValueError(
                 f"--learner.groups-per-step ({self.learner.groups_per_step}) must be a multiple of "
@@ -195,6 +199,12 @@ class Config:
     def staleness_bound(self) -> int:
         """η actually enforced: 0 in colocated mode, which is strictly on-policy."""
         return 0 if self.colocate else self.max_staleness
+
+    @property
+    def listen_host(self) -> str:
+        """What the parts' sockets listen on: --replay.host, else loopback for a local run and each
+        node's own address ("node") when joining a cluster."""
+        return self.replay.host or ("node" if self.ray_address else "127.0.0.1")
 
     @property
     def run_dir(self) -> str:

@@ -146,7 +146,9 @@ def replay_scalars(stats: dict) -> dict[str, float]:
         "replay/mb_in": stats["received_bytes"] / 1e6, "replay/mb_out": stats["served_bytes"] / 1e6,
         "replay/duplicates": stats["duplicates"], "replay/malformed_frames": stats["malformed_frames"],
         "replay/credit_wait_s": stats["credit_wait_s"], "replay/in_flight": stats["in_flight"],
-        "replay/groups_in_shared_memory": stats["received_shared"], "replay/log_pending": stats["pending"],
+        "replay/groups_in_shared_memory": stats["received_shared"],
+        "replay/groups_in_socket": stats["received_groups"] - stats["received_shared"],
+        "replay/log_pending": stats["pending"],
     }
     for reason in ("stale", "zero_variance"):
         out[f"replay/dropped_{reason}"] = stats["dropped"].get(reason, 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 
+from launch import cluster
 from launch.config import Config
 
 
@@ -40,11 +41,16 @@ class ReplayPart:
         from replay.server import ReplayServer
 
         buffer = cfg.replay.make_buffer(cfg.learner.groups_per_step, cfg.staleness_bound, cfg.learners)
-        self.server = ReplayServer(buffer, cfg.replay.bind, key=key)
+        bind, advertise = cluster.listen(cfg.listen_host)
+        self.server = ReplayServer(buffer, cfg.replay.bind(bind), key=key, advertise=advertise,
+                                   host=cluster.host_key())
         self.endpoint = self.server.start()
 
     def address(self) -> str:
         return self.endpoint
+
+    def where(self) -> dict:
+        return cluster.where()
 
     def snapshot(self) -> dict:
         return self.server.snapshot()
@@ -54,23 +60,39 @@ class ReplayPart:
 
 
 class LearnerPart:
-    def __init__(self, cfg: Config, model_path: str, rank: int, dist_url: str, replay_endpoint: str,
-                 key: bytes | None) -> None:
+    """One learner rank. Rank 0 makes the rendezvous address on its own node (`rendezvous`), then
+    every rank joins it (`setup`)."""
+
+    def __init__(self, cfg: Config, model_path: str, rank: int, replay_endpoint: str, key: bytes | None) -> None:
+        _threads(cfg.learner.threads)
+        self.cfg, self.model_path, self.rank, self.replay_endpoint, self.key = cfg, model_path, rank, replay_endpoint, key
+        self.learner = None
+
+    def rendezvous(self) -> str:
+        """The learners' torch.distributed address: a free port on this (rank 0's) node."""
+        return cluster.rendezvous(self.cfg.listen_host)
+
+    def setup(self, dist_url: str):
+        """Join the process group at `dist_url`, load the model; rank 0 returns the weight
+        channel's endpoints."""
         import torch
 
         from learner.trainer import Learner
         from replay.client import ZmqReplayClient
 
-        _threads(cfg.learner.threads)
+        cfg = self.cfg
+        bind, advertise = cluster.listen(cfg.listen_host)
+        cluster.point_collectives(advertise or bind)
         torch.manual_seed(cfg.seed)  # same adapter initialisation on every rank
-        self.cfg = cfg
-        self.learner = Learner(cfg.learner, model_path, rank, cfg.learners, dist_url,
-                               ZmqReplayClient(replay_endpoint, key=key, arena_bytes=cfg.replay.arena_mb << 20),
-                               temperature=cfg.actor.temperature,
-                               host=cfg.replay.host, key=key, algo=cfg.algo, correction=cfg.correction)
-
-    def setup(self):
+        replay = ZmqReplayClient(self.replay_endpoint, key=self.key, arena_bytes=cfg.replay.arena_mb << 20,
+                                 host=cluster.host_key())
+        self.learner = Learner(cfg.learner, self.model_path, self.rank, cfg.learners, dist_url, replay,
+                               temperature=cfg.actor.temperature, host=bind, advertise=advertise, key=self.key,
+                               algo=cfg.algo, correction=cfg.correction)
         return self.learner.setup()
+
+    def where(self) -> dict:
+        return cluster.where()
 
     def train(self) -> int:
         """Run the step budget, save the final adapter under the run dir, shut down."""
@@ -103,7 +125,8 @@ class ActorPart:
 
         _threads(cfg.actor.threads)
         name = f"actor-{index}"
-        replay = ZmqReplayClient(replay_endpoint, actor=name, key=key, arena_bytes=cfg.replay.arena_mb << 20)
+        replay = ZmqReplayClient(replay_endpoint, actor=name, key=key, arena_bytes=cfg.replay.arena_mb << 20,
+                                 host=cluster.host_key())
         engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device,
                              seed=cfg.seed * 1000 + index, **cfg.actor.engine_options())
         kwargs = cfg.env_kwargs()
@@ -123,3 +146,6 @@ class ActorPart:
 
     def stats(self) -> dict:
         return self.actor.stats()
+
+    def where(self) -> dict:
+        return cluster.where()

@@ -54,7 +54,7 @@ class Learner:
     def __init__(self, cfg: LearnerConfig, model_path: str, rank: int, world: int, dist_url: str,
                  replay, temperature: float = 1.0, host: str = "127.0.0.1", key: bytes | None = None,
                  algo: str = DEFAULT_ALGO, correction: str = DEFAULT_CORRECTION,
-                 horizon: int | None = None) -> None:
+                 horizon: int | None = None, advertise: str | None = None) -> None:
         from learner.losses import ALGOS, CORRECTIONS
 
         if algo not in ALGOS:
@@ -63,7 +63,7 @@ class Learner:
             raise ValueError(f"unknown --correction {correction!r}; choose one of {', '.join(CORRECTIONS)}")
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
         self.dist_url, self.replay, self.temperature, self.host = dist_url, replay, temperature, host
-        self.key, self.algo, self.correction = key, algo, correction
+        self.key, self.algo, self.correction, self.advertise = key, algo, correction, advertise
         self.version = 0
         if horizon is not None and horizon < 1:
             raise ValueError(f"the learning-rate schedule's horizon must be at least 1 step, got {horizon}")
@@ -126,7 +126,7 @@ class Learner:
         if self.rank == 0:
             from replay.weights import WeightPublisher
 
-            self.publisher = WeightPublisher(self.host, key=self.key)
+            self.publisher = WeightPublisher(self.host, key=self.key, advertise=self.advertise)
         self._publish()  # version 0: the identity adapter, so late joiners can ask for it
         return self.publisher.endpoints if self.publisher else None
 

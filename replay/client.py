@@ -97,17 +97,19 @@ class ZmqReplayClient:
 
     On the replay's host an actor client writes groups into an arena of `arena_bytes` in
     `arena_dir` and a learner client reads them there (replay/arena.py); `arena_bytes=0`
-    sends everything on the socket."""
+    sends everything on the socket. "The replay's host" is `host` where the launcher gives one
+    (its Ray node: two Ray nodes on one machine are two hosts), else this machine's boot id."""
 
     def __init__(self, endpoint: str, actor: str = "", key: bytes | None = None, timeout: float = 30.0,
                  check_every: float = 5.0, window: int = 8, arena_bytes: int = 64 << 20,
-                 arena_dir: str = ARENA_DIR) -> None:
+                 arena_dir: str = ARENA_DIR, host: str | None = None) -> None:
         self.endpoint, self.actor, self.key, self.timeout = endpoint, actor, key, timeout
         self.check_every, self.window = check_every, window
         self._unacked: dict[int, tuple[Any, float]] = {}  # request id -> (blob or arena reference, sent at)
         # Same host: an actor writes groups into its shared-memory arena, a learner reads them
         # from the actors' arenas (replay/arena.py); either falls back to bytes on the socket.
-        self.host = host_id() if arena_bytes > 0 else None
+        # Which host this is (`host`: the launcher's Ray node; else this machine's boot id).
+        self.host = (host or host_id()) if arena_bytes > 0 else None
         self._arena_size, self._arena_dir = arena_bytes, arena_dir
         self._arena: Arena | None = None
         self._shared = False  # pushes go through the arena (replay opened it)
@@ -222,7 +224,9 @@ class ZmqReplayClient:
 
     def _offer(self) -> dict:
         """The hello fields that offer replay this actor's arena."""
-        return {"arena": self._arena.name, "token": self._arena.token} if self._arena is not None else {}
+        if self._arena is None:
+            return {}
+        return {"arena": self._arena.name, "token": self._arena.token, "host": self.host}
 
     def _encode(self, group: Group):
         """The push item for `group`: a reference into the arena when replay reads it, else bytes."""

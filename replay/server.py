@@ -35,7 +35,7 @@ from replay.buffer import Entry, ReplayBuffer
 from replay.checker import Checker
 from replay.log_writer import LogWriter
 from replay.wake import drain
-from replay.wire import MAX_FRAME, WireError, pack_parts, unpack_parts
+from replay.wire import MAX_FRAME, WireError, advertised, pack_parts, unpack_parts
 
 REQUESTS = ("hello", "credit", "push", "sample", "ack", "stats", "ping")
 MAX_CREDITS = 4096
@@ -46,8 +46,11 @@ MAX_CREDITS = 4096
 class ReplayConfig:
     """The replay service (data plane)."""
 
-    host: str = "127.0.0.1"
-    """Address to listen on. Loopback by default; set a routable address to serve other machines."""
+    host: str | None = None
+    """Address the replay service, the weight publisher and the learners' rendezvous listen on: an
+    address of this machine, "0.0.0.0" (every interface; each part advertises its node's address)
+    or "node" (each part's node address, as Ray knows it). Default: loopback for a local run,
+    "node" when joining a cluster with --ray-address. Frames stay signed (--replay.sign)."""
     port: int = 0
     """TCP port (0 picks a free one)."""
     capacity: int = 1024
@@ -87,9 +90,9 @@ class ReplayConfig:
         return ReplayBuffer(groups_per_step, max_staleness, learners, self.capacity, self.capacity_mb << 20,
                             self.order, self.drop_zero_variance, log)
 
-    @property
-    def bind(self) -> str:
-        return f"tcp://{self.host}:{self.port or '*'}"
+    def bind(self, address: str | None = None) -> str:
+        """The endpoint to bind: on `address` (resolved by the launcher), else on --replay.host or loopback."""
+        return f"tcp://{address or self.host or '127.0.0.1'}:{self.port or '*'}"
 
 
 class ReplayServer:
@@ -104,8 +107,8 @@ class ReplayServer:
     """
 
     def __init__(self, buffer: ReplayBuffer, bind: str, key: bytes | None = None,
-                 arena_dir: str = ARENA_DIR) -> None:
-        self.buffer, self.bind, self.key = buffer, bind, key
+                 arena_dir: str = ARENA_DIR, *, advertise: str | None = None, host: str | None = None) -> None:
+        self.buffer, self.bind, self.key, self.advertise = buffer, bind, key, advertise
         self.epoch = secrets.token_hex(8)
         self.endpoint = ""
         self._stop = threading.Event()
@@ -115,7 +118,8 @@ class ReplayServer:
         self._credit_waiters: list[list] = []  # [peer, request id, actor, since, credits still wanted]
         self._sample_waiters: list[tuple[bytes, int, int, int, bool]] = []  # (peer, id, step, rank, same host)
         self.arenas = ArenaReader(arena_dir)  # actors' shared-memory arenas on this host
-        self.host = host_id()
+        self.host = host or host_id()
+        """Which host this is: actors and learners that say the same one share memory with it."""
         self.credit_wait_s = 0.0
         self.lost_replies = 0
         self.lock = threading.Lock()  # guards the buffer against snapshot() from other threads
@@ -158,7 +162,7 @@ class ReplayServer:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + 1024)  # oversized frames are cut off by ZeroMQ itself
         try:
             sock.bind(self.bind)
-            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.endpoint = advertised(sock.getsockopt_string(zmq.LAST_ENDPOINT), self.advertise)
         except BaseException as exc:
             self._error = exc
             self._ready.set()
@@ -247,7 +251,10 @@ class ReplayServer:
         if kind == "hello":
             self.buffer.hello(_str(msg, "actor"))
             arena, reason = None, None
-            if "arena" in msg:  # the actor offers its shared-memory arena: can we open it?
+            if "arena" in msg and (self.host is None or msg.get("host") != self.host):
+                # Another host (another Ray node, even on this machine): its memory is not ours.
+                arena, reason = False, f"the actor is on host {msg.get('host')!r}, replay on {self.host!r}"
+            elif "arena" in msg:  # the actor offers its shared-memory arena: can we open it?
                 try:
                     self.arenas.open(msg["arena"], _str(msg, "token"))
                     arena = True
@@ -413,7 +420,7 @@ def main() -> None:
 
     args = tyro.cli(Args)
     buffer = args.replay.make_buffer(args.groups_per_step, args.max_staleness, args.learners)
-    server = ReplayServer(buffer, args.replay.bind, key=key_from_env())
+    server = ReplayServer(buffer, args.replay.bind(), key=key_from_env())
     print(f"replay serving on {server.start()} ({len(buffer.queue)} groups recovered)", flush=True)
     try:
         while True:

@@ -52,7 +52,7 @@ import zmq
 from replay import wire
 from replay.chunks import (CHUNK_BYTES, Assembly, BrokenAdapter, read_chunk, read_commit, stream_messages,
                            write_safetensors)
-from replay.wire import WireError, pack, unpack
+from replay.wire import WireError, advertised, pack, unpack
 
 WIRE_DTYPES = (None, "bfloat16", "float16", "float32")
 """Choices for the publisher's `dtype` (None: as given)."""
@@ -161,11 +161,12 @@ class WeightPublisher:
 
     `dtype` casts floating tensors for the wire (one of WIRE_DTYPES); `chunk_bytes` is the chunk
     size; `hwm` the chunks each subscriber's queue holds (fixed at bind); `announce_s` the period
-    of the announcements of the newest version."""
+    of the announcements of the newest version; `advertise` the address subscribers reach (for a
+    `host` of "0.0.0.0", one of this node's addresses)."""
 
     def __init__(self, host: str = "127.0.0.1", pub_port: int = 0, req_port: int = 0,
                  key: bytes | None = None, *, dtype: str | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 hwm: int = 64, announce_s: float = 1.0) -> None:
+                 hwm: int = 64, announce_s: float = 1.0, advertise: str | None = None) -> None:
         if dtype not in WIRE_DTYPES:
             raise ValueError(f"wire dtype {dtype!r}: choose one of {WIRE_DTYPES}")
         if not 0 < chunk_bytes <= wire.MAX_FRAME:
@@ -185,8 +186,8 @@ class WeightPublisher:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind(f"tcp://{host}:{req_port or '*'}")
-        self.endpoints = (self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
-                          self._router.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.endpoints = (advertised(self._pub.getsockopt_string(zmq.LAST_ENDPOINT), advertise),
+                          advertised(self._router.getsockopt_string(zmq.LAST_ENDPOINT), advertise))
         self._thread = threading.Thread(target=self._serve, name="weights-latest", daemon=True)
         self._thread.start()
 

@@ -106,6 +106,15 @@ class Group:
 MAC_BYTES = 32
 
 
+def advertised(endpoint: str, address: str | None) -> str:
+    """`endpoint` as others reach it: its host replaced by `address` ("tcp://0.0.0.0:5555" bound on
+    every interface is reached at one of the node's addresses); unchanged for None."""
+    if address is None:
+        return endpoint
+    scheme, _, rest = endpoint.partition("://")
+    return f"{scheme}://{address}:{rest.rpartition(':')[2]}"
+
+
 def sign(key: bytes | None, body: bytes) -> bytes:
     """Prefix `body` with its HMAC-SHA256 under `key` (no-op without a key)."""
     return body if key is None else hmac.new(key, body, hashlib.sha256).digest() + body

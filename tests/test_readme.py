@@ -105,6 +105,7 @@ def test_every_readme_command_is_known_and_parses(tmp_path, monkeypatch):
     (tmp_path / "guess.py").write_text(example_source())  # the example's commands run beside it
     monkeypatch.syspath_prepend(str(tmp_path))
     commands = readme_commands()
+    ray_help = None
     assert "python -m launch.async --actors 6 --learners 2" in commands  # the quick start
     for command in commands:
         if command.startswith("python -m launch.async"):
@@ -121,6 +122,15 @@ def test_every_readme_command_is_known_and_parses(tmp_path, monkeypatch):
             assert extra.group(1) in extras | {None}, f"{command!r}: no such extra in pyproject.toml"
         elif command.startswith(("pip uninstall", "pytest")):
             assert command in ci, f"{command!r} is not what .ci/run does"
+        elif command.startswith("ray start "):  # every flag is one `ray start` has
+            if ray_help is None:
+                ray_help = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--help"],
+                                          capture_output=True, text=True, timeout=120).stdout
+            for flag in re.findall(r"(--[\w-]+)", command):
+                assert f"{flag} " in ray_help or f"{flag}\n" in ray_help, f"{command!r}: ray start has no {flag}"
+        elif command.startswith("export "):  # only the variables Ray reads for its token
+            names = [kv.split("=")[0] for kv in command.split()[1:]]
+            assert names == ["RAY_AUTH_MODE", "RAY_AUTH_TOKEN"] and "RAY_AUTH_MODE=token" in command, command
         elif command.startswith("tensorboard "):
             assert shutil.which("tensorboard") or importlib.util.find_spec("tensorboard"), command
         elif not command.startswith("python -c "):  # the checker line: run below

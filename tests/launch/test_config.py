@@ -8,6 +8,7 @@ import pytest
 
 from actors.actor import ActorConfig
 from launch.config import Config, SkyrlConfig
+from replay.server import ReplayConfig
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -22,10 +23,18 @@ from launch.config import Config, SkyrlConfig
     ({"max_staleness": -1}, "--max-staleness"),
     ({"learners": 3}, "multiple of --learners"),
     ({"actor": ActorConfig(engine="vllm", max_lora_rank=16)}, "--actor.max-lora-rank \\(16\\) is below"),
+    ({"ray_address": "10.0.0.1:6379", "replay": ReplayConfig(sign=False)}, "frames between nodes are always signed"),
 ])
 def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Config(**kwargs)
+
+
+def test_parts_listen_on_loopback_unless_the_run_joins_a_cluster_or_is_told_otherwise():
+    assert Config().listen_host == "127.0.0.1"
+    assert Config(ray_address="10.0.0.1:6379").listen_host == "node"
+    assert Config(ray_address="10.0.0.1:6379", replay=ReplayConfig(host="0.0.0.0")).listen_host == "0.0.0.0"
+    assert Config(replay=ReplayConfig(host="192.168.1.5")).listen_host == "192.168.1.5"
 
 
 def test_colocate_is_strictly_on_policy():

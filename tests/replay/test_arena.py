@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zmq
 
-from replay.arena import FREE, HELD, PAGE, Arena, ArenaReader, head_size, pages
+from replay.arena import FREE, HELD, PAGE, Arena, ArenaReader, head_size, host_id, pages
 from replay.buffer import ReplayBuffer
 from replay.client import ZmqReplayClient
 from replay.server import ReplayServer
@@ -106,6 +106,32 @@ def test_a_replay_that_cannot_open_the_arena_gets_bytes(arenas, tmp_path):
         srv.stop()
 
 
+def test_an_actor_on_another_node_of_the_same_machine_sends_bytes(arenas):
+    """Two Ray nodes on one machine (network namespaces, containers) share /dev/shm, and are still
+    two hosts: the launcher names each part's host by its Ray node, and replay takes an arena only
+    from its own host, even one it could open."""
+    buffer = ReplayBuffer(groups_per_step=2, max_staleness=1000)
+    srv = ReplayServer(buffer, "tcp://127.0.0.1:*", key=KEY, arena_dir=str(arenas), host="node-a")
+    srv.start()
+    try:
+        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=1 << 20,
+                                arena_dir=str(arenas), host="node-b")
+        actor.hello()
+        assert not actor._shared
+        groups = [make_group(seed=i) for i in range(2)]
+        assert [actor.push(g) for g in groups] == ["stored", "stored"]
+        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas), host="node-a")
+        assert sorted(g.group_id for g in learner.sample(0, 0, 0, timeout=10)) == sorted(g.group_id for g in groups)
+        stats = learner.stats()
+        assert stats["received_groups"] == 2 and stats["received_shared"] == 0
+        same_node = ZmqReplayClient(srv.endpoint, actor="actor-1", key=KEY, arena_bytes=1 << 20,
+                                    arena_dir=str(arenas), host="node-a")
+        same_node.hello()
+        assert same_node._shared  # the same node id: the arena is taken
+    finally:
+        srv.stop()
+
+
 def test_a_learner_that_cannot_open_the_arena_gets_the_same_shard_as_bytes(arenas, tmp_path):
     srv = serve(arenas, arenas)
     try:
@@ -142,7 +168,7 @@ def test_a_resent_reference_is_stored_once_and_freed_once_consumed(arenas):
             assert sock.poll(5000)
             return unpack_parts(sock.recv_multipart(), key=KEY)[0]
 
-        assert ask("hello", actor="a", arena=arena.name, token=arena.token)["arena"] is True
+        assert ask("hello", actor="a", arena=arena.name, token=arena.token, host=host_id())["arena"] is True
         assert ask("push", shm=ref)["status"] == "stored"
         assert ask("push", shm=ref)["status"] == "duplicate"  # the resend must not free the stored copy
         assert arena.state(ref[1]) == HELD
