@@ -5,7 +5,8 @@ the test's own and a worker started with `ray start --address=...` inside its ow
 namespace, with token authentication, so that one host's loopback is not the other's: a part
 that listened on loopback, a rendezvous made on the driver, or shared memory between nodes would
 fail here as they would between two machines. The head has 1 CPU and the worker 4, so replay and
-the learners (packed together) must go to the worker, and the two actors (spread) one to each.
+the learners (packed together) must go to the worker, and the two actors (spread) one to each;
+a second cluster of 2 + 2 CPUs splits the learner ranks between the hosts.
 """
 
 import json
@@ -53,6 +54,19 @@ def test_a_job_runs_across_two_hosts(cluster, tmp_path):
     assert [s for s, _ in scalars["learner/loss"]] == [1, 2, 3, 4, 5]
     assert scalars["replay/groups_in_socket"][-1][1] > 0  # the head's actor: over the network
     assert scalars["replay/groups_in_shared_memory"][-1][1] > 0  # the worker's actor, beside replay
+
+
+def test_learner_ranks_on_two_hosts_train_together(tmp_path):
+    """2 CPUs a host: replay and 2 learners (3 CPUs) cannot all go on one, so the ranks are split
+    and their process group forms across the hosts, at the address rank 0's node gave."""
+    with two_host_cluster(head_cpus=2, worker_cpus=2) as split:
+        logdir = tmp_path / "split"
+        run = job(split, "--actors", "1", "--learners", "2", "--steps", "3", "--learner.groups-per-step", "4",
+                  "--eval-episodes", "8", "--logdir", str(logdir), cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    where = placement(run.stdout)
+    assert {where["learner-0"], where["learner-1"]} == {split.head_ip, split.worker_ip}, run.stdout
+    assert [s for s, _ in read_scalars(str(logdir))["learner/loss"]] == [1, 2, 3]
 
 
 def test_a_node_that_lacks_the_environment_stops_the_job_at_start(cluster, tmp_path):
