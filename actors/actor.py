@@ -72,6 +72,9 @@ class ActorConfig:
     spread: bool = True
     """On a Ray cluster, spread the actors over its nodes (Ray's SPREAD strategy); --actor.no-spread
     lets Ray pack them onto as few nodes as hold them (its default)."""
+    restarts: int = 3
+    """Times an actor whose process dies (killed, out of memory) is restarted before the run
+    stops; it gets the current adapter and its credits back. An actor that raises is not restarted."""
     env_timeout_s: float = 30.0
     """Time limit of one environment reset or step; past it the episode ends with finish reason
     "env_error" and the rest of the batch goes on."""
@@ -117,6 +120,8 @@ class ActorConfig:
                 "enforce_eager": self.enforce_eager}
 
     def __post_init__(self) -> None:
+        if self.restarts < 0:
+            raise ValueError(f"--actor.restarts must be 0 or more, got {self.restarts}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--actor.device must be cpu, cuda or auto, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -30,6 +30,7 @@ def main(cfg: Config) -> int:
     import torch
 
     from launch import cluster
+    from launch.fleet import Fleet
     from launch.monitor import Board
     from launch.parts import ActorPart, LearnerPart, ReplayPart, resolve_policy
 
@@ -86,18 +87,16 @@ def main(cfg: Config) -> int:
         dist_url = ray.get(learners[0].rendezvous.remote())  # on rank 0's node
         weights = ray.get([lr.setup.remote(dist_url) for lr in learners])[0]
         spread = "SPREAD" if cfg.actor.spread else "DEFAULT"
-        actors = [Actor.options(scheduling_strategy=spread).remote(cfg, model_path, i, endpoint, weights, key)
-                  for i in range(cfg.actors)]
+        fleet = Fleet(lambda i: Actor.options(scheduling_strategy=spread).remote(cfg, model_path, i, endpoint,
+                                                                                 weights, key),
+                      cfg.actors, cfg.actor.restarts)  # calls run() on each
         if joining:
             names = ["replay", *(f"learner-{r}" for r in range(cfg.learners)), *(f"actor-{i}" for i in range(cfg.actors))]
-            rows = ray.get([p.where.remote() for p in (replay, *learners, *actors)], timeout=600)
+            rows = ray.get([p.where.remote() for p in (replay, *learners, *fleet.actors)], timeout=600)
             print(cluster.table(list(zip(names, rows)), cluster.where()), flush=True)
-        runs = [a.run.remote() for a in actors]
         training = [lr.train.remote() for lr in learners]
-        _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, actors, runs)
-        for a in actors:
-            a.stop.remote()
-        ray.get(runs, timeout=120)
+        _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, fleet)
+        fleet.stop(timeout=120)
         final = board.evals[-1] if board.evals else (0, float("nan"))
         print(f"done: {board.last_step} steps in {time.time() - board.t0:.0f}s; {cfg.env} eval success "
               f"{board.evals[0][1]:.1%} (v0) -> {final[1]:.1%} (v{final[0]}); adapter in {logdir}/adapter",
@@ -125,7 +124,7 @@ def _catch_interrupts() -> None:
         signal.signal(signal.SIGINT, handler)
 
 
-def _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, actors, runs) -> None:
+def _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, fleet) -> None:
     import ray
 
     from launch.monitor import Evaluator, actor_scalars, replay_scalars, step_scalars
@@ -143,12 +142,10 @@ def _monitor(cfg, model_path, board, replay, learners, training, weights, key, s
             if _INTERRUPTED.is_set():
                 raise KeyboardInterrupt
             done, _ = ray.wait(training, num_returns=len(training), timeout=1.0)
-            stopped, _ = ray.wait(runs, timeout=0)
-            if stopped:
-                # An actor ended before the run did: its error (an adapter it could not apply, an
-                # engine that died) stops the run with its message.
-                ray.get(stopped)
-                raise RuntimeError("an actor stopped before the run ended, without an error")
+            # An actor whose process died is restarted; one that raised (an adapter it could not
+            # apply, an engine that failed) stops the run with its message.
+            for line in fleet.check():
+                print(line, flush=True)
             if cfg.max_minutes and not limited and time.time() - started > 60 * cfg.max_minutes:
                 # Ranks run in lockstep and the driver's view lags by at most a step: two
                 # steps ahead is past every rank, so all of them stop after the same step.
@@ -164,7 +161,8 @@ def _monitor(cfg, model_path, board, replay, learners, training, weights, key, s
                     scalars["perf/trajectories_per_s"] = (n - rate_n) / (now - rate_t)
                 rate_t, rate_n = now, n
                 scalars.update(replay_scalars(stats))
-                scalars.update(actor_scalars(ray.get([a.stats.remote() for a in actors], timeout=30)))
+                scalars.update(actor_scalars(fleet.stats()))
+                scalars["actors/restarts"] = float(sum(fleet.restarts))
                 board.scalars(version, scalars)
                 board.histogram(version, "replay/staleness_served", stats["staleness_served"])
             if len(done) == len(training):
