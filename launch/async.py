@@ -40,6 +40,10 @@ def main(cfg: Config) -> int:
     started = time.time()
     logdir = cfg.run_dir
     os.makedirs(logdir, exist_ok=True)
+    config_path = os.path.join(logdir, "config.json")  # the run directory says how it was started
+    with open(config_path + ".tmp", "w") as f:
+        f.write(cfg.to_json())
+    os.replace(config_path + ".tmp", config_path)
     model_path = resolve_policy(cfg)
     torch.set_num_threads(1)
     mode = "colocated sync (η=0)" if cfg.colocate else f"async (η={cfg.staleness_bound})"

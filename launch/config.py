@@ -235,9 +235,42 @@ class Config:
             except ValueError:
                 raise ValueError(f"--skyrl.env-config must be JSON, got {self.skyrl.env_config!r}") from None
 
+    def to_json(self) -> str:
+        """The whole config, as JSON: the launcher writes it into the run directory at start
+        (`config.json`), so that a run directory says how it was started."""
+        import dataclasses
+        import json
+
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Config:
+        """The config `to_json` wrote, checked again as if given on the command line; ValueError
+        for a field this version does not have."""
+        import json
+
+        return _build(cls, json.loads(text))
+
     def env_kwargs(self) -> dict:
         """Constructor arguments of --env from its section (--maze.*, --sql.*, ...)."""
         name = "skyrl" if self.env.startswith("skyrl:") else self.env
         section = {"maze": self.maze, "countdown": self.countdown, "sql": self.sql,
                    "calculator": self.calculator, "skyrl": self.skyrl}.get(name)
         return section.kwargs() if section is not None else {}
+
+
+def _build(cls, data: dict):
+    """A dataclass of type `cls` from `dataclasses.asdict` output, nested sections included."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)} (a config of another Tandem version?)")
+    kwargs = {}
+    for name, value in data.items():
+        kind = hints[name]
+        kwargs[name] = _build(kind, value) if dataclasses.is_dataclass(kind) and isinstance(value, dict) else value
+    return cls(**kwargs)

@@ -37,6 +37,22 @@ def test_parts_listen_on_loopback_unless_the_run_joins_a_cluster_or_is_told_othe
     assert Config(replay=ReplayConfig(host="192.168.1.5")).listen_host == "192.168.1.5"
 
 
+def test_a_config_written_to_json_reads_back_the_same():
+    from learner.config import LearnerConfig
+    from policy.load import LoraSpec
+
+    cfg = Config(actors=3, steps=7, env="countdown", ray_address="10.0.0.1:6379", logdir="runs/x",
+                 actor=ActorConfig(engine="vllm", restarts=1, spread=False),
+                 learner=LearnerConfig(lr=3e-5, lora=LoraSpec(rank=8, alpha=16.0, target_modules=["q_proj"])),
+                 replay=ReplayConfig(host="0.0.0.0", capacity=99))
+    again = Config.from_json(cfg.to_json())
+    assert again == cfg and again.learner.lora.target_modules == ["q_proj"] and again.model == "builtin:tiny"
+    with pytest.raises(ValueError, match="unknown field\\(s\\) warp"):
+        Config.from_json('{"warp": 9}')
+    with pytest.raises(ValueError, match="--actors must be at least 1"):  # checked as on the command line
+        Config.from_json('{"actors": 0}')
+
+
 def test_colocate_is_strictly_on_policy():
     assert Config(colocate=True, max_staleness=8).staleness_bound == 0
     assert Config(max_staleness=8).staleness_bound == 8

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from launch.config import Config
 from launch.plot import read_scalars
 
 pytestmark = pytest.mark.slow
@@ -35,6 +36,8 @@ def test_async_run_with_six_actors_and_two_learners(tmp_path):
     assert scalars["eval/success_rate"][0][0] == 0  # logged at version 0, before any update
     assert [s for s, _ in scalars["learner/loss"]] == [1, 2, 3]
     assert (logdir / "adapter" / "adapter_model.safetensors").exists()
+    saved = Config.from_json((logdir / "config.json").read_text())  # how the run was started
+    assert (saved.actors, saved.learners, saved.steps, saved.logdir) == (6, 2, 3, str(logdir))
     ev = subprocess.run([sys.executable, "-m", "launch.eval", str(logdir / "adapter"), "--episodes", "8",
                          "--seed", "7"], capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-2000:]
