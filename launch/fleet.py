@@ -71,7 +71,7 @@ class Fleet:
             raise RuntimeError(f"actor-{i} stopped before the run ended, without an error")
         return lines
 
-    def stats(self, timeout: float = 30.0) -> list[dict]:
+    def stats(self, timeout: float = 5.0) -> list[dict]:
         """Each actor's counters, with those of its dead processes added; an actor that does not
         answer within `timeout` (it is restarting) counts as its last report."""
         import ray

@@ -419,6 +419,9 @@ def main() -> None:
         replay: ReplayConfig = field(default_factory=ReplayConfig)
 
     args = tyro.cli(Args)
+    if args.replay.host == "node":  # a Ray node's address: only the launcher knows it
+        raise SystemExit('error: --replay.host node is for parts the launcher places on Ray; give this '
+                         'machine\'s address, or 0.0.0.0 for every interface')
     buffer = args.replay.make_buffer(args.groups_per_step, args.max_staleness, args.learners)
     server = ReplayServer(buffer, args.replay.bind(), key=key_from_env())
     print(f"replay serving on {server.start()} ({len(buffer.queue)} groups recovered)", flush=True)

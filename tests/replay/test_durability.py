@@ -284,3 +284,9 @@ def test_a_record_with_a_block_that_never_reached_the_disk_is_cut_off(tmp_path, 
     blobs, seen = ReplayLog(tmp_path).recover()  # a crash tore the last record: it is cut off
     assert [bytes(b) for b in blobs] == [bytes(encode_group(groups[0]))] and seen == [groups[0].group_id]
     assert seg.stat().st_size < len(data)
+
+
+def test_the_standalone_service_refuses_the_launchers_node_address():
+    run = subprocess.run([sys.executable, "-m", "replay.server", "--replay.host", "node"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0 and "--replay.host node is for parts the launcher places on Ray" in run.stderr
