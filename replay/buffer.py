@@ -23,7 +23,21 @@ With N learner ranks the batch is cut into N disjoint shards of B/N groups; the
 batch is assembled once, whichever rank asks first, so no group reaches two
 ranks. A shard stays assigned until its rank acknowledges it (after the
 optimizer step); asking again for the same step returns the same shard, so a
-learner that restarts mid-step loses nothing and double-counts nothing.
+learner that restarts mid-step loses nothing and double-counts nothing. A rank
+that asks for a later step while it still holds an unacknowledged shard (it
+restarted from a checkpoint taken before that step's update) will never
+acknowledge it: the shard is released, its groups go back to the front of the
+queue in their order, and are served again under the usual staleness rule.
+
+With a log (replay/log.py) all of this survives a SIGKILL of the replay
+process: the assignment of a batch is on the log before any shard of it is
+served, and so are acknowledgements and releases before they are answered. A
+new replay on the same log holds every shard still assigned, with its rank
+(the same rank asking for the same step gets the same shard, another rank its
+own; `ack` consumes it) and queues every other unconsumed group: no group is
+trained twice and none is lost. What replay cannot know is an acknowledgement
+that never reached it: a rank must acknowledge a step (`LearnerReplay.ack`)
+before any checkpoint it resumes from says the step was trained.
 """
 
 from __future__ import annotations
@@ -77,6 +91,8 @@ class ReplayStats:
     """Groups that came through an actor's shared-memory arena rather than the socket."""
     served_groups: int = 0
     served_bytes: int = 0
+    released_groups: int = 0
+    """Groups of shards that their rank moved past unacknowledged: back in the queue."""
     duplicates: int = 0
     dropped: Counter = field(default_factory=Counter)
     staleness_served: Counter = field(default_factory=Counter)
@@ -87,7 +103,8 @@ class ReplayStats:
         return {"received_groups": self.received_groups, "received_trajectories": self.received_trajectories,
                 "received_bytes": self.received_bytes, "received_shared": self.received_shared,
                 "served_groups": self.served_groups,
-                "served_bytes": self.served_bytes, "duplicates": self.duplicates, "dropped": dict(self.dropped),
+                "served_bytes": self.served_bytes, "released_groups": self.released_groups,
+                "duplicates": self.duplicates, "dropped": dict(self.dropped),
                 "staleness_served": {str(k): v for k, v in sorted(self.staleness_served.items())},
                 "credits_granted": self.credits_granted, "malformed_frames": self.malformed_frames}
 
@@ -142,15 +159,25 @@ class ReplayBuffer:
             self._recover()
 
     def _recover(self) -> None:
+        """Load what the log holds: the unconsumed groups, in order, and the shards still
+        assigned, each with its rank again (out of the queue). A batch cut for another number
+        of ranks cannot be given back as it was: its groups stay queued and it is released."""
         from replay.wire import decode_group
 
-        blobs, seen = self.log.recover()
-        self.seen = RecentIds(self.seen.limit, seen)
-        for blob in blobs:
-            entry = Entry.of(decode_group(blob), blob)
-            self.queue.append(entry)
-            self.stored_bytes += len(blob)
-        self.accepted = len(self.queue)
+        found = self.log.restore()
+        self.seen = RecentIds(self.seen.limit, found.seen)
+        entries = {gid: Entry.of(decode_group(blob), blob) for gid, blob in found.groups}
+        self.stored_bytes = sum(len(e.blob) for e in entries.values())
+        self.accepted = len(entries)
+        for step, shards in found.batches.items():
+            if len(shards) != self.shards:
+                for rank, ids in enumerate(shards):
+                    if ids is not None:
+                        self.log.released(step, rank)
+                continue
+            self.batches[step] = [[entries.pop(gid) for gid in ids] if ids is not None else None
+                                  for ids in shards]
+        self.queue.extend(entries.values())
 
     # -- actors -------------------------------------------------------------
     def hello(self, actor: str) -> None:
@@ -218,35 +245,60 @@ class ReplayBuffer:
 
     def take(self, step: int, rank: int) -> list[Entry] | None:
         """Rank `rank`'s shard of step `step`'s batch (the same one until acknowledged),
-        or None while too few fresh groups are stored."""
+        or None while too few fresh groups are stored. A shard the rank still holds of an
+        earlier step is released first: the rank has moved past it without training on it."""
         if not 0 <= rank < self.shards:
             raise ValueError(f"rank {rank} out of range for {self.shards} learner ranks")
+        for earlier in [s for s, shards in self.batches.items() if s < step and shards[rank] is not None]:
+            self.release(earlier, rank)
         if step not in self.batches:
             batch = self._assemble()
             if batch is None:
                 return None
             k = self.B // self.shards
             self.batches[step] = [batch[i * k:(i + 1) * k] for i in range(self.shards)]
+            if self.log is not None:  # before any shard of it is served
+                self.log.assigned(step, [[e.group_id for e in shard] for shard in self.batches[step]])
         shard = self.batches[step][rank]
         if shard is None:
-            raise ValueError(f"rank {rank} already acknowledged its shard of step {step}")
+            raise ValueError(f"rank {rank} already acknowledged (or moved past) its shard of step {step}")
         return shard
 
     def ack(self, step: int, rank: int) -> list[str]:
-        """The rank trained on its shard of `step`: it is consumed for good. Returns its group ids."""
-        shards = self.batches.get(step)
-        if shards is None or not 0 <= rank < self.shards or shards[rank] is None:
+        """The rank trained on its shard of `step`: it is consumed for good. Returns its group ids
+        ([] for a shard replay does not hold: acknowledged already, or released)."""
+        shard = self._unassign(step, rank)
+        if shard is None:
             return []
-        shard, shards[rank] = shards[rank], None
-        if all(s is None for s in shards):
-            del self.batches[step]
         ids = [e.group_id for e in shard]
         for e in shard:
             self.stored_bytes -= len(e.blob)
             e.free()
         if self.log is not None:
-            self.log.consumed(ids)
+            self.log.consumed(ids, shard=(step, rank))
         return ids
+
+    def release(self, step: int, rank: int) -> list[str]:
+        """Rank `rank` will never train on its shard of `step` (it asked for a later step): the
+        groups go back to the front of the queue, in their order. Returns their ids."""
+        shard = self._unassign(step, rank)
+        if shard is None:
+            return []
+        self.queue.extendleft(reversed(shard))
+        self.stats.released_groups += len(shard)
+        if self.log is not None:
+            self.log.released(step, rank)
+        return [e.group_id for e in shard]
+
+    def _unassign(self, step: int, rank: int) -> list[Entry] | None:
+        """Take rank `rank`'s shard of `step` out of the assignments (None if it holds none)."""
+        shards = self.batches.get(step)
+        if shards is None or not 0 <= rank < self.shards or shards[rank] is None:
+            return None
+        shard, shards[rank] = shards[rank], None
+        if all(s is None for s in shards):
+            del self.batches[step]
+        return shard
 
     def _assemble(self) -> list[Entry] | None:
         fresh: deque[Entry] = deque()

@@ -83,10 +83,17 @@ class LearnerReplay(Protocol):
         read-only views that stay valid until `ack`: copy what must outlive it."""
 
     def ack(self, step: int, rank: int, wait: bool = True) -> None:
-        """The shard of `step` has been trained on. With `wait`, return once replay has recorded
-        it (on its log, if it keeps one); without, return at once and let the reply come later.
-        Either way a shard whose ack is not yet recorded when replay dies is served again, just
-        as it would be had replay died while the learner trained on it."""
+        """The shard of `step` has been trained on: replay consumes it for good. With `wait`,
+        return once replay has recorded it (on its log, if it keeps one); without, return at
+        once and let the reply come later. Either way the ack is not lost to a replay restart:
+        a client resends every unanswered ack to a new replay process, and sends them along
+        with its next `sample`, so a recovered replay (one with a log) consumes the shard it
+        had restored for this rank rather than serving its groups again. Acknowledging a
+        step twice, or one replay does not hold, is harmless.
+
+        Ack a step before a checkpoint that says it was trained: a rank that asks for a later
+        step while replay still holds its shard of an earlier one gets that shard released
+        (its groups served again), as it would after resuming from an older checkpoint."""
 
     def stats(self) -> dict:
         """Counters of the service (queue depth, groups in/out/dropped, staleness, credit waits)."""
@@ -115,7 +122,7 @@ class ZmqReplayClient:
         self._shared = False  # pushes go through the arena (replay opened it)
         self._reader = ArenaReader(arena_dir) if self.host and not actor else None
         self._unreadable = 0
-        self._acks: set[int] = set()  # request ids of acks sent without waiting
+        self._acks: dict[int, tuple[int, int]] = {}  # request id -> (step, rank) of acks not yet answered
         self.statuses: dict[str, int] = {}
         """Acknowledged sends by status ("stored", "duplicate", "filtered", or "refused": the
         server found the group malformed)."""
@@ -162,7 +169,7 @@ class ZmqReplayClient:
             self._granted += versions
             self._asked = max(self._asked - len(versions), 0)
         elif msg.get("id") in self._acks:
-            self._acks.discard(msg["id"])
+            del self._acks[msg["id"]]
             if msg["type"] == "error":
                 log.warning("replay refused an ack: %s", msg.get("reason"))
         elif msg.get("arena") is False and self._shared:
@@ -195,6 +202,7 @@ class ZmqReplayClient:
 
     def _restarted(self) -> None:
         """The server is a new process: requests parked at the old one are gone."""
+        self._resend_acks()  # first: a recovered server consumes these shards, not releases them
         if self.actor:
             if self._arena is not None:  # its references to our arena died with it
                 self._arena.free_all_but(self._pending_extents())
@@ -207,6 +215,12 @@ class ZmqReplayClient:
         pending, self._unacked = list(self._unacked.values()), {}
         for item, _ in pending:
             self._push_item(item)
+
+    def _resend_acks(self) -> None:
+        """Send every unanswered ack again (new request ids; acking a shard twice consumes it once)."""
+        pending, self._acks = list(self._acks.values()), {}
+        for step, rank in dict.fromkeys(pending):
+            self._acks[self._send("ack", step=step, rank=rank)] = (step, rank)
 
     def _push_item(self, item) -> None:
         """Send a push: a blob, or an [arena, offset, length] reference to one."""
@@ -336,7 +350,12 @@ class ZmqReplayClient:
     def sample(self, step: int, rank: int, version: int, timeout: float | None = None,
                by_reference: bool = True) -> list[Group]:
         host = self.host if self._reader is not None and by_reference else None
-        msg = self._call("sample", timeout, step=step, rank=rank, version=version, host=host)
+        # Unanswered acks go with the request, so that replay consumes those shards before it
+        # looks at this one, even if the acks themselves were lost with a replay restart.
+        acked = list(dict.fromkeys(self._acks.values()))[-64:]
+        msg = self._call("sample", timeout, step=step, rank=rank, version=version, host=host,
+                         acked=[list(a) for a in acked])
+        self._acks = {rid: a for rid, a in self._acks.items() if a not in acked}  # replay has them
         blobs, refs = msg.get("blobs", []), msg.get("refs")
         if refs is None:
             return [decode_group(memoryview(g)) for g in blobs]
@@ -365,8 +384,8 @@ class ZmqReplayClient:
     def ack(self, step: int, rank: int, wait: bool = True) -> None:
         if wait:
             self._call("ack", self.timeout, step=step, rank=rank)
-        else:  # replies are matched, and errors reported, as they arrive
-            self._acks.add(self._send("ack", step=step, rank=rank))
+        else:  # replies are matched, and errors reported, as they arrive; resent after a restart
+            self._acks[self._send("ack", step=step, rank=rank)] = (step, rank)
 
     def stats(self) -> dict:
         return self._call("stats", self.timeout)["stats"]

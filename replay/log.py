@@ -1,22 +1,38 @@
-"""The replay log: an append-only record of stored and consumed groups, on disk.
+"""The replay log: an append-only record of stored, assigned and consumed groups, on disk.
 
-With `--replay.log-dir`, every group is appended before it is acknowledged, and
-every consumed batch shard is appended as a list of group ids when the learner
-acknowledges it. After a crash (even SIGKILL) a new replay process on the same
-directory replays the log: every acknowledged-but-unconsumed group is back, in
-order, and no consumed group is served again.
+With `--replay.log-dir`, every group is appended before it is acknowledged;
+every batch, before any shard of it is served, is appended as its assignment
+(the step, and the group ids of each rank's shard); a shard is appended as
+consumed (its group ids) when its rank acknowledges it, and as released when
+its rank asks for a later step without acknowledging it. After a crash (even
+SIGKILL) a new replay process on the same directory replays the log: every
+acknowledged-but-unconsumed group is back, in order; every shard still assigned
+is back with its rank, holding the same groups; no consumed group is served
+again. `history(directory)` reads the same records without touching them, for
+audits.
 
 Layout: segment files `00000001.seg`, `00000002.seg`, ... Each starts with a
 4 KiB block holding the format's magic, then records, each starting on a 4 KiB
 boundary: a head `[u32 meta length][u32 raw length][u64 checksum][msgpack meta]`
 zero-padded to whole blocks, then the raw bytes (a stored group's blob, as it
 arrived) zero-padded to whole blocks. The checksum (`checksum`) runs over the
-raw bytes' blocks, then the lengths and the meta. A new segment starts when
-the current one passes `segment_bytes`. Segments are
-removed oldest first, once every group they hold is consumed: consumed markers
-only ever point backwards, so removing a prefix never forgets a marker that a
-live segment needs. A torn record at the end of the last segment (a crash
-mid-write) is cut off.
+raw bytes' blocks, then the lengths and the meta. The meta is one of
+
+    {"k": "g", "id": group id}                      a stored group (its blob is the raw bytes)
+    {"k": "a", "step": s, "shards": [[ids], ...]}   step s's batch, one list of ids per rank
+    {"k": "c", "ids": [ids]}                        consumed (trained on, or dropped as stale)
+    {"k": "r", "step": s, "rank": r}                rank r's shard of step s went back to the queue
+
+A shard stays assigned until a release names it or all its groups are
+consumed; a later assignment of the same step replaces an earlier one. A new
+segment starts when the current one passes `segment_bytes`. Segments are
+removed oldest first, once every group they hold is consumed: every record
+points only backwards (a marker or an assignment to groups stored before it, a
+release to an assignment before it), so removing a prefix never forgets a
+record that a live segment needs: an assignment whose segment goes had all its
+groups consumed. A torn record at the end of the last segment (a crash
+mid-write) is cut off, and everything written after it with it: what recovery
+sees is always a prefix of what was appended.
 
 Writes: records are queued and written together, with as few `pwritev` calls as
 the kernel takes, whenever the log syncs. Where the filesystem allows it, segments are
@@ -40,6 +56,7 @@ import os
 import struct
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -47,7 +64,7 @@ import numpy as np
 
 
 BLOCK = 4096
-MAGIC = b"TANDEM-REPLAY-LOG-3\n"
+MAGIC = b"TANDEM-REPLAY-LOG-4\n"
 _HEAD = struct.Struct("<IIQ")  # meta length, raw length, checksum
 _WORDS = BLOCK // 8
 _KEY = np.uint64(0x9E3779B97F4A7C15)  # odd: 2^64 / golden ratio
@@ -116,14 +133,137 @@ def _address(buf) -> int:
     return np.frombuffer(buf, np.uint8).ctypes.data if len(buf) else 0
 
 
+@dataclass
+class Recovered:
+    """What a log holds for a new replay process."""
+
+    groups: list[tuple[str, bytes]]
+    """(group id, blob) of every unconsumed group, in arrival order (assigned ones too)."""
+    seen: list[str]
+    """The ids of every group stored in the log's segments, in order."""
+    batches: dict[int, list[list[str] | None]]
+    """Step -> the group ids of each rank's shard still assigned (None: acknowledged or released)."""
+
+
+class _State:
+    """The log's records applied in order."""
+
+    def __init__(self) -> None:
+        self.stored: OrderedDict[str, tuple] = OrderedDict()  # unconsumed id -> (blob, segment)
+        self.seen: dict[str, None] = {}
+        self.trained: dict[str, list[int]] = {}  # id -> [step, rank] of the shard acknowledged with it
+        self.dropped: set[str] = set()
+        self.batches: dict[int, list[list[str] | None]] = {}
+        self.assignments: list[tuple[int, list[list[str]]]] = []
+        self.released: list[tuple[int, int]] = []
+
+    def apply(self, rec: dict, raw, seg: int) -> None:
+        kind = rec["k"]
+        if kind == "g":
+            self.seen[rec["id"]] = None
+            self.stored[rec["id"]] = (raw, seg)
+        elif kind == "c":
+            shard = rec.get("shard")
+            for gid in rec["ids"]:
+                self.stored.pop(gid, None)
+                if shard is None:
+                    self.dropped.add(gid)
+                else:
+                    self.trained[gid] = list(shard)
+        elif kind == "a":
+            shards = [list(ids) for ids in rec["shards"]]
+            self.batches[rec["step"]] = [list(ids) for ids in shards]
+            self.assignments.append((rec["step"], shards))
+        elif kind == "r":
+            step, rank = rec["step"], rec["rank"]
+            self.released.append((step, rank))
+            shards = self.batches.get(step)
+            if shards is not None and 0 <= rank < len(shards):
+                shards[rank] = None
+
+    def open_batches(self) -> dict[int, list[list[str] | None]]:
+        """Steps with a shard neither released nor consumed: each shard's unconsumed ids."""
+        out = {}
+        for step, shards in self.batches.items():
+            live = [[gid for gid in ids if gid in self.stored] or None if ids is not None else None
+                    for ids in shards]
+            if any(live):
+                out[step] = live
+        return out
+
+
+def _records(path: Path, last: bool, repair: bool):
+    """(meta, raw bytes) of each whole record of a segment. A torn tail of the last segment ends
+    it (and is cut off with `repair`); anywhere else it is corruption."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return  # removed (all consumed) by a live replay while we looked
+    if not data.strip(b"\0"):
+        return  # created, and the process died before its first block was written
+    if data[:len(MAGIC)] != MAGIC:
+        raise RuntimeError(f"{path} is not a replay log segment of this version "
+                           f"(expected {MAGIC!r} at its start)")
+    pos = BLOCK
+    while pos + _HEAD.size <= len(data):
+        meta_len, raw_len, digest = _HEAD.unpack_from(data, pos)
+        start = pos + blocks(_HEAD.size + meta_len)
+        if not 0 < meta_len <= _MAX_META or start + raw_len > len(data):
+            break
+        meta = data[pos + _HEAD.size:pos + _HEAD.size + meta_len]
+        raw = data[start:start + raw_len]
+        if _digest(meta, raw) != digest:
+            break
+        yield msgpack.unpackb(meta, raw=False), raw
+        pos = start + blocks(raw_len)
+    if pos < len(data):
+        if not last:
+            raise RuntimeError(f"replay log segment {path} is corrupt at byte {pos}")
+        if repair:
+            os.truncate(path, pos)  # a torn write at the tail: cut it off
+
+
+def history(directory: str | os.PathLike) -> dict:
+    """What the log in `directory` records, read without changing a byte (a torn tail is left
+    in place and ignored), for audits of a run or a crash test:
+
+        stored       ids of every group stored in the remaining segments, in order
+        consumed     ids consumed: trained ∪ dropped
+        trained      id -> [step, rank] of the acknowledged shard it was in
+        dropped      ids dropped as too stale
+        assignments  [(step, [[ids of rank 0], [ids of rank 1], ...]), ...] every batch cut, in order
+        released     [(step, rank), ...] shards that went back to the queue, in order
+        open         step -> ids of each rank's shard still assigned (None: acknowledged or released)
+        queued       ids stored, unconsumed and not in an open shard, in order
+        complete     whether the log still has its first segment (nothing was pruned)
+
+    A log removes segments whose groups were all consumed (`ReplayLog(prune=True)`, the
+    default), and the first removed takes the start of the history with it: an audit of a
+    whole run needs a log kept with `prune=False`."""
+    path = Path(directory)
+    segments = sorted(int(p.stem) for p in path.glob("*.seg"))
+    state = _State()
+    for seg in segments:
+        for rec, _ in _records(path / f"{seg:08d}.seg", last=seg == segments[-1], repair=False):
+            state.apply(rec, None, seg)
+    open_ = state.open_batches()
+    held = {gid for shards in open_.values() for ids in shards if ids for gid in ids}
+    return {"stored": list(state.seen), "consumed": set(state.trained) | state.dropped,
+            "trained": state.trained, "dropped": state.dropped, "assignments": state.assignments,
+            "released": state.released, "open": open_,
+            "queued": [gid for gid in state.stored if gid not in held], "complete": segments[:1] in ([], [1])}
+
+
 class ReplayLog:
     def __init__(self, directory: str | os.PathLike, fsync: str = "interval", fsync_interval_s: float = 1.0,
-                 segment_bytes: int = 256 << 20, direct: bool = True) -> None:
+                 segment_bytes: int = 256 << 20, direct: bool = True, prune: bool = True) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"--replay.fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync, self.fsync_interval_s, self.segment_bytes = fsync, fsync_interval_s, segment_bytes
+        self.prune = prune
+        """Remove segments whose groups are all consumed (off: keep the whole history, for audits)."""
         self.direct = direct and hasattr(os, "O_DIRECT")
         """Segments opened with O_DIRECT (turned off, for good, where the filesystem refuses it)."""
         self._live: OrderedDict[int, set[str]] = OrderedDict()  # segment -> unconsumed group ids in it
@@ -142,19 +282,19 @@ class ReplayLog:
     # -- recovery -------------------------------------------------------------
     def recover(self) -> tuple[list[bytes], list[str]]:
         """Read the log: (unconsumed group blobs in arrival order, the ids of every group stored
-        in the log's segments, in order)."""
-        stored: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
-        seen: dict[str, None] = {}
-        segments = sorted(int(p.stem) for p in self.dir.glob("*.seg"))
+        in the log's segments, in order). `restore` says which of them are assigned too."""
+        found = self.restore()
+        return [blob for _, blob in found.groups], found.seen
+
+    def restore(self) -> Recovered:
+        """Read the log (cutting off a torn tail) and append from where it ends: the unconsumed
+        groups, and the shards still assigned (see `Recovered`)."""
+        segments = self.segments()
+        state = _State()
         for seg in segments:
-            for rec, raw in self._records(seg, last=seg == segments[-1]):
-                if rec["k"] == "g":
-                    seen[rec["id"]] = None
-                    stored[rec["id"]] = (raw, seg)
-                else:
-                    for gid in rec["ids"]:
-                        stored.pop(gid, None)
-        for gid, (_, seg) in stored.items():
+            for rec, raw in _records(self._path(seg), last=seg == segments[-1], repair=True):
+                state.apply(rec, raw, seg)
+        for gid, (_, seg) in state.stored.items():
             self._live.setdefault(seg, set()).add(gid)
             self._where[gid] = seg
         for seg in segments:
@@ -163,32 +303,8 @@ class ReplayLog:
         self._segment = segments[-1] if segments else 0
         self._roll()
         self._collect()
-        return [blob for blob, _ in stored.values()], list(seen)
-
-    def _records(self, seg: int, last: bool):
-        path = self._path(seg)
-        data = path.read_bytes()
-        if not data.strip(b"\0"):
-            return  # created, and the process died before its first block was written
-        if data[:len(MAGIC)] != MAGIC:
-            raise RuntimeError(f"{path} is not a replay log segment of this version "
-                               f"(expected {MAGIC!r} at its start)")
-        pos = BLOCK
-        while pos + _HEAD.size <= len(data):
-            meta_len, raw_len, digest = _HEAD.unpack_from(data, pos)
-            start = pos + blocks(_HEAD.size + meta_len)
-            if not 0 < meta_len <= _MAX_META or start + raw_len > len(data):
-                break
-            meta = data[pos + _HEAD.size:pos + _HEAD.size + meta_len]
-            raw = data[start:start + raw_len]
-            if _digest(meta, raw) != digest:
-                break
-            yield msgpack.unpackb(meta, raw=False), raw
-            pos = start + blocks(raw_len)
-        if pos < len(data):
-            if not last:
-                raise RuntimeError(f"replay log segment {path} is corrupt at byte {pos}")
-            os.truncate(path, pos)  # a torn write at the tail: cut it off
+        return Recovered([(gid, blob) for gid, (blob, _) in state.stored.items()], list(state.seen),
+                         state.open_batches())
 
     # -- appending -------------------------------------------------------------
     def _path(self, seg: int) -> Path:
@@ -300,9 +416,25 @@ class ReplayLog:
         if self._pos >= self.segment_bytes:
             self._roll()
 
-    def consumed(self, group_ids: list[str], sync: bool = True) -> None:
-        """Record groups the learner has trained on; drop segments that hold nothing live."""
-        self._append({"k": "c", "ids": list(group_ids)})
+    def assigned(self, step: int, shards: list[list[str]], sync: bool = True) -> None:
+        """Record step `step`'s batch cut into shards (the group ids of each rank's, in order)."""
+        self._append({"k": "a", "step": step, "shards": [list(ids) for ids in shards]})
+        if sync:
+            self.sync()
+
+    def released(self, step: int, rank: int, sync: bool = True) -> None:
+        """Record that rank `rank`'s shard of `step` went back to the queue, never trained on."""
+        self._append({"k": "r", "step": step, "rank": rank})
+        if sync:
+            self.sync()
+
+    def consumed(self, group_ids: list[str], sync: bool = True, shard: tuple[int, int] | None = None) -> None:
+        """Record groups the learner has trained on (the (step, rank) of their `shard`) or that
+        were dropped (no shard); drop segments that hold nothing live."""
+        rec = {"k": "c", "ids": list(group_ids)}
+        if shard is not None:
+            rec["shard"] = list(shard)
+        self._append(rec)
         for gid in group_ids:
             seg = self._where.pop(gid, None)
             if seg is not None:
@@ -312,7 +444,7 @@ class ReplayLog:
         self._collect()
 
     def _collect(self) -> None:
-        while len(self._live) > 1:
+        while self.prune and len(self._live) > 1:
             seg, ids = next(iter(self._live.items()))
             if ids or seg == self._segment:
                 break

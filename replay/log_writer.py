@@ -20,14 +20,15 @@ from replay.wake import Waker
 class LogWriter:
     """A ReplayLog written by two threads of its own, so that checksums, writes and fsyncs
     overlap with serving and with each other: one formats records and checksums them, the
-    other writes and syncs them in order. Same `stored` / `consumed` calls as the log, which
-    queue the record and return; `after(fn)` queues a callback that becomes due once everything
-    queued before it is written and synced per the policy (one write, and one sync, for all
-    the records found waiting: a group commit). The owner runs due callbacks with `due()`, on
-    its own thread, when woken through `waker` (replay/wake.py).
+    other writes and syncs them in order. Same `stored` / `assigned` / `released` / `consumed`
+    calls as the log, which queue the record and return; `after(fn)` queues a callback that
+    becomes due once everything queued before it is written and synced per the policy (one
+    write, and one sync, for all the records found waiting: a group commit). The owner runs due
+    callbacks with `due()`, on its own thread, when woken through `waker` (replay/wake.py).
 
-    The replay server acknowledges a push, and a learner's `ack`, only from such a callback, so
-    an acknowledgement still means "on the log", exactly as with the log written inline.
+    The replay server acknowledges a push and a learner's `ack`, and serves a batch shard, only
+    from such a callback, so an acknowledgement still means "on the log", exactly as with the
+    log written inline, and a shard reaches a learner only once its assignment is on the log.
     """
 
     def __init__(self, log: ReplayLog, ctx: zmq.Context) -> None:
@@ -48,11 +49,20 @@ class LogWriter:
     def recover(self):
         return self.log.recover()
 
+    def restore(self):
+        return self.log.restore()
+
     def stored(self, group_id: str, blob, padded=None, blob_sum: int | None = None) -> None:
         self._put(("g", group_id, blob, padded, blob_sum))
 
-    def consumed(self, group_ids: list[str]) -> None:
-        self._put(("c", list(group_ids), None))
+    def consumed(self, group_ids: list[str], shard: tuple[int, int] | None = None) -> None:
+        self._put(("c", list(group_ids), shard))
+
+    def assigned(self, step: int, shards: list[list[str]]) -> None:
+        self._put(("a", step, shards))
+
+    def released(self, step: int, rank: int) -> None:
+        self._put(("r", step, rank))
 
     def after(self, fn) -> None:
         self._put(("f", fn, None))
@@ -92,7 +102,11 @@ class LogWriter:
                         elif item[0] == "g":
                             self.log.stored(item[1], item[2], sync=False, padded=item[3], blob_sum=item[4])
                         elif item[0] == "c":
-                            self.log.consumed(item[1], sync=False)
+                            self.log.consumed(item[1], sync=False, shard=item[2])
+                        elif item[0] == "a":
+                            self.log.assigned(item[1], item[2], sync=False)
+                        elif item[0] == "r":
+                            self.log.released(item[1], item[2], sync=False)
                         else:
                             callbacks.append(item[1])
                     self.log.sync()

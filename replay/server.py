@@ -13,7 +13,9 @@ tampered with, not msgpack or off-schema gets an error reply (where a reply is
 possible) and a count, and the server goes on serving everyone else. Replies go
 out with ROUTER_MANDATORY, so a reply to a peer that is gone raises instead of
 vanishing silently; data a learner did not receive stays assigned to its step
-and is served again when it asks.
+and is served again when it asks. With a log, a batch shard is served only once
+its assignment is on the log, so a restarted replay gives each rank the same
+shard again (replay/buffer.py says what is guaranteed).
 
 Run standalone: `python -m replay.server --help`.
 """
@@ -274,6 +276,8 @@ class ReplayServer:
             step, rank, version = (_int(msg, k) for k in ("step", "rank", "version"))
             if rank >= self.buffer.shards:
                 raise ValueError(f"rank {rank} out of range for {self.buffer.shards} learner ranks")
+            for acked_step, acked_rank in _pairs(msg, "acked"):  # acks the client has no answer to:
+                self.buffer.ack(acked_step, acked_rank)  # consumed, not released by this request
             self.buffer.set_version(version)
             same_host = self.host is not None and msg.get("host") == self.host
             self._sample_waiters.append((peer, rid, step, rank, same_host))
@@ -363,8 +367,13 @@ class ReplayServer:
                 continue
             # if this reply is lost, the shard stays assigned and is served again on request
             refs = [e.ref if same_host else None for e in shard]  # same host: by reference
-            self._reply(sock, peer, rid, "batch", [e.blob for e, r in zip(shard, refs) if r is None],
-                        step=step, version=self.buffer.version, refs=refs)
+            reply = functools.partial(self._reply, sock, peer, rid, "batch",
+                                      [e.blob for e, r in zip(shard, refs) if r is None],
+                                      step=step, version=self.buffer.version, refs=refs)
+            if self._writer is not None:  # served once the assignment (and any release) is on the log
+                self._writer.after(reply)
+            else:
+                reply()
         self._sample_waiters = still
         while self._credit_waiters:  # oldest request first; one reply grants what room allows
             waiter = self._credit_waiters[0]
@@ -395,6 +404,16 @@ def _int(msg: dict, key: str) -> int:
     if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < 1 << 40:
         raise WireError(f"field {key!r} must be a non-negative integer")
     return val
+
+
+def _pairs(msg: dict, key: str) -> list[tuple[int, int]]:
+    """An optional field of [step, rank] pairs (at most 64)."""
+    val = msg.get(key, [])
+    if not isinstance(val, list) or len(val) > 64 or not all(
+            isinstance(p, list) and len(p) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40 for x in p) for p in val):
+        raise WireError(f"field {key!r} must be a list of at most 64 [step, rank] pairs")
+    return [(p[0], p[1]) for p in val]
 
 
 def key_from_env() -> bytes | None:

@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,25 +12,7 @@ import pytest
 from replay.client import ZmqReplayClient
 from replay.log import ReplayLog
 from replay.wire import encode_group
-from tests.replay.helpers import make_group
-
-KEY = os.urandom(32)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_replay(port: int, log_dir, fsync: str = "interval") -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "replay.server", "--groups-per-step", "2", "--max-staleness", "1000",
-         "--replay.port", str(port), "--replay.log-dir", str(log_dir), "--replay.fsync", fsync],
-        env={**os.environ, "TANDEM_KEY": KEY.hex()}, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert "replay serving" in line, line
-    return proc
+from tests.replay.helpers import KEY, free_port, make_group, start_replay
 
 
 @pytest.mark.parametrize("path", ["shared memory", "socket"])
