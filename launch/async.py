@@ -33,6 +33,7 @@ def main(cfg: Config) -> int:
     from launch.fleet import Fleet
     from launch.monitor import Board
     from launch.parts import ActorPart, LearnerPart, ReplayPart, resolve_policy
+    from launch.supervise import GroupFailed, LearnerGroup, ReplayService
 
     from transformers.utils import logging as hf_logging
 
@@ -79,98 +80,127 @@ def main(cfg: Config) -> int:
             return 2
     board = Board(logdir, cfg.steps)
     try:
-        Replay = ray.remote(num_cpus=1)(ReplayPart)
+        Replay = ray.remote(num_cpus=1, max_concurrency=2)(ReplayPart)
         Learner = ray.remote(num_cpus=1, max_concurrency=2)(LearnerPart)
         Actor = ray.remote(num_cpus=1, num_gpus=actor_gpus, max_concurrency=2)(ActorPart)
         key = secrets.token_bytes(32) if cfg.replay.sign else None  # this run's frame-signing key
         group = cluster.placement(cfg.learners)  # replay and the learners, packed together
-        replay = Replay.options(**cluster.in_bundle(group, 0)).remote(cfg, key)
-        endpoint = ray.get(replay.address.remote())
-        learners = [Learner.options(**cluster.in_bundle(group, 1 + r)).remote(cfg, model_path, r, endpoint, key)
-                    for r in range(cfg.learners)]
-        dist_url = ray.get(learners[0].rendezvous.remote())  # on rank 0's node
-        weights = ray.get([lr.setup.remote(dist_url) for lr in learners])[0]
+        replay = ReplayService(lambda port: Replay.options(**cluster.in_bundle(group, 0)).remote(cfg, key, port),
+                               cfg.replay.restarts, logged=cfg.replay_log_dir is not None)
+        endpoint = replay.endpoint
+        learners = LearnerGroup(lambda r: Learner.options(**cluster.in_bundle(group, 1 + r)).remote(
+            cfg, model_path, r, endpoint, key), cfg.learners, cfg.learner.restarts, resume=bool(cfg.resume))
+        weights = learners.start()
         spread = "SPREAD" if cfg.actor.spread else "DEFAULT"
         fleet = Fleet(lambda i: Actor.options(scheduling_strategy=spread).remote(cfg, model_path, i, endpoint,
                                                                                  weights, key),
                       cfg.actors, cfg.actor.restarts)  # calls run() on each
         if joining:
             names = ["replay", *(f"learner-{r}" for r in range(cfg.learners)), *(f"actor-{i}" for i in range(cfg.actors))]
-            rows = ray.get([p.where.remote() for p in (replay, *learners, *fleet.actors)], timeout=600)
+            rows = ray.get([p.where.remote() for p in (replay.handle, *learners.ranks, *fleet.actors)], timeout=600)
             print(cluster.table(list(zip(names, rows)), cluster.where()), flush=True)
-        training = [lr.train.remote() for lr in learners]
-        _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, fleet)
+        _monitor(cfg, model_path, board, replay, learners, weights, key, started, fleet)
         fleet.stop(timeout=120)
-        final = board.evals[-1] if board.evals else (0, float("nan"))
-        print(f"done: {board.last_step} steps in {time.time() - board.t0:.0f}s; {cfg.env} eval success "
-              f"{board.evals[0][1]:.1%} (v0) -> {final[1]:.1%} (v{final[0]}); adapter in {logdir}/adapter",
-              flush=True)
+        if _STOPPING.is_set():
+            print(f"stopped at step {board.step} of {cfg.steps}: continue with  {resume_command(cfg)}", flush=True)
+            return 0
+        evals = board.evals
+        scores = f"{evals[0][1]:.1%} (v{evals[0][0]}) -> {evals[-1][1]:.1%} (v{evals[-1][0]})" if evals else "-"
+        print(f"done: {board.step} steps in {time.time() - board.t0:.0f}s; {cfg.env} eval success {scores}; "
+              f"adapter in {logdir}/adapter", flush=True)
         return 0
     except KeyboardInterrupt:
-        print("interrupted: stopping every part", flush=True)
+        print(f"interrupted: stopping every part (continue with  {resume_command(cfg)})", flush=True)
         return 130
+    except GroupFailed as exc:
+        print(f"error: {exc}\ncontinue the run from its newest checkpoint with  {resume_command(cfg)}",
+              file=sys.stderr, flush=True)
+        return 1
     finally:
         board.close()
         ray.shutdown()
 
 
+def resume_command(cfg: Config) -> str:
+    """The command that continues this run."""
+    import shlex
+
+    return f"python -m launch.async --resume {shlex.quote(cfg.run_dir)}"
+
+
 _INTERRUPTED = threading.Event()
+_STOPPING = threading.Event()
 
 
 def _catch_interrupts() -> None:
     """Ctrl-C raises KeyboardInterrupt and also sets a flag the monitor loop checks every
-    second: a library call that swallows the exception cannot keep the job running."""
+    second: a library call that swallows the exception cannot keep the job running. SIGTERM (a
+    scheduler's preemption notice) stops the run cleanly: the learners finish their step and
+    checkpoint, and the job exits with the command that continues it."""
     def handler(signum, frame):
         _INTERRUPTED.set()
         raise KeyboardInterrupt
 
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, handler)
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, lambda signum, frame: _STOPPING.set())
 
 
-def _monitor(cfg, model_path, board, replay, learners, training, weights, key, started, fleet) -> None:
-    import ray
-
+def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fleet) -> None:
     from launch.monitor import Evaluator, actor_scalars, replay_scalars, step_scalars
+    from learner.checkpoint import Checkpoints
     from policy.adapter import read_adapter
     from replay.weights import WeightSubscriber
 
     evaluator = Evaluator(cfg, model_path)
     sub = WeightSubscriber(weights, key=key)
-    board.eval(0, evaluator.evaluate())
-    last_eval, version, last_print, newest = 0, 0, 0.0, None
+    if cfg.resume:  # what the run evaluated before is in TensorBoard already
+        checkpoints = Checkpoints(cfg.run_dir)
+        last_eval = version = checkpoints.published()
+        latest = checkpoints.latest()
+        board.step = int(checkpoints.meta(latest)["step"]) if latest is not None else 0
+    else:
+        board.eval(0, evaluator.evaluate())
+        last_eval = version = 0
+    last_print, newest, limited = 0.0, None, False
     rate_t, rate_n = time.time(), 0
-    limited = False
     try:
         while True:
             if _INTERRUPTED.is_set():
                 raise KeyboardInterrupt
-            done, _ = ray.wait(training, num_returns=len(training), timeout=1.0)
-            # An actor whose process died is restarted; one that raised (an adapter it could not
-            # apply, an engine that failed) stops the run with its message.
-            for line in fleet.check():
+            time.sleep(0.5)
+            # A part whose process died is restarted (the actor, the replay service, the learner
+            # group from its newest checkpoint); one that raised stops the run with its message.
+            for line in fleet.check() + replay.check() + learners.check():
                 print(line, flush=True)
-            if cfg.max_minutes and not limited and time.time() - started > 60 * cfg.max_minutes:
+            over = cfg.max_minutes and time.time() - started > 60 * cfg.max_minutes
+            if (over or _STOPPING.is_set()) and not limited:
                 # Ranks run in lockstep and the driver's view lags by at most a step: two
                 # steps ahead is past every rank, so all of them stop after the same step.
-                ray.get([lr.limit.remote(version + 2) for lr in learners])
-                print(f"time budget of {cfg.max_minutes:g} min spent: stopping at step {version + 2}", flush=True)
+                learners.limit(board.step + 2)
+                why = f"time budget of {cfg.max_minutes:g} min spent" if over else "SIGTERM"
+                print(f"{why}: stopping at step {board.step + 2}", flush=True)
                 limited = True
-            for m in ray.get(learners[0].drain_metrics.remote()):
-                version = m["version"]
-                stats = ray.get(replay.snapshot.remote())
-                now, n = time.time(), stats["received_trajectories"]
+            for m in learners.drain_metrics():
+                version, board.step = m["version"], m["step"]
+                stats = replay.snapshot()
                 scalars = step_scalars(m)
-                if now > rate_t:
-                    scalars["perf/trajectories_per_s"] = (n - rate_n) / (now - rate_t)
-                rate_t, rate_n = now, n
-                scalars.update(replay_scalars(stats))
                 scalars.update(actor_scalars(fleet.stats()))
                 scalars["actors/restarts"] = float(sum(fleet.restarts))
+                scalars["learner/restarts"] = float(learners.restarts)
+                scalars["replay/restarts"] = float(replay.restarts)
+                scalars["learner/step"] = float(m["step"])
+                if stats is not None:
+                    now, n = time.time(), stats["received_trajectories"]
+                    if now > rate_t and n >= rate_n:  # a restarted replay counts from zero
+                        scalars["perf/trajectories_per_s"] = (n - rate_n) / (now - rate_t)
+                    rate_t, rate_n = now, n
+                    scalars.update(replay_scalars(stats))
+                    board.histogram(version, "replay/staleness_served", stats["staleness_served"])
                 board.scalars(version, scalars)
-                board.histogram(version, "replay/staleness_served", stats["staleness_served"])
-            if len(done) == len(training):
-                ray.get(training)  # surface a learner's exception
+            if learners.done:
+                learners.result()  # surface a learner's exception
                 final = read_adapter(os.path.join(cfg.run_dir, "adapter"))
                 if final.version != last_eval:
                     evaluator.load(final.version, final.tensors)
@@ -191,11 +221,11 @@ def _monitor(cfg, model_path, board, replay, learners, training, weights, key, s
 
 
 def cli(argv: list[str] | None = None) -> int:
-    import tyro
+    from launch.config import resumed_config
 
     try:
-        cfg = tyro.cli(Config, args=argv)
-    except ValueError as exc:  # raised by __post_init__: a value the user must change
+        cfg = resumed_config(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:  # raised by __post_init__ or the resume check: a value the user must change
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return main(cfg)

@@ -125,7 +125,17 @@ class Config:
     """Wall-clock budget of the whole run, warm start included (0 = no limit): when it is spent the
     learners finish the step they are in, the final adapter is saved and evaluated."""
     logdir: str | None = None
-    """Where TensorBoard events and the final adapter go (default runs/<env>-<mode>-<time>)."""
+    """The run directory: TensorBoard events, config.json, checkpoints, the replay log and the final
+    adapter (default runs/<env>-<mode>-<time>)."""
+    checkpoint_every: int = 10
+    """Checkpoint the learners (adapter, optimizer, schedule, version, RNG) every this many steps,
+    at the end and when the job is stopped; 0 = never (then --resume starts the weights afresh)."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in the run directory (older ones are removed)."""
+    resume: str | None = None
+    """Continue the run in this directory to its step budget: its config.json, newest checkpoint
+    and replay log. Flags given beside it may change only what is safe to change mid-run
+    (--actors, --steps, --max-minutes, --eval-every, --ray-address, --actor.restarts, ...)."""
     max_staleness: int = 1
     """Staleness bound η: no group trained on is more than η policy versions old (forced to 0 by --colocate)."""
     algo: str = DEFAULT_ALGO
@@ -182,6 +192,10 @@ class Config:
             self.model = "builtin:maze" if self.env == "maze" else "builtin:tiny"
         if self.max_minutes < 0:
             raise ValueError(f"--max-minutes must be 0 (no limit) or positive, got {self.max_minutes}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be 0 (never) or more, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.eval_every < 1 or self.eval_episodes < 1:
             raise ValueError("--eval-every and --eval-episodes must be at least 1")
         if 0 < self.actor.max_lora_rank < self.learner.lora.rank:
@@ -213,6 +227,18 @@ class Config:
             env = self.env.replace(":", "-").replace("/", "-")
             self.logdir = f"runs/{env}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
         return self.logdir
+
+    @property
+    def replay_log_dir(self) -> str | None:
+        """Where replay keeps its log: --replay.log-dir, else `replay-log` in the run directory
+        while checkpoints are on (unless --replay.no-log)."""
+        import os
+
+        if self.replay.log_dir:
+            return self.replay.log_dir
+        if self.replay.log and self.checkpoint_every > 0:
+            return os.path.join(self.run_dir, "replay-log")
+        return None
 
     def _check_env(self) -> None:
         import json
@@ -257,6 +283,64 @@ class Config:
         section = {"maze": self.maze, "countdown": self.countdown, "sql": self.sql,
                    "calculator": self.calculator, "skyrl": self.skyrl}.get(name)
         return section.kwargs() if section is not None else {}
+
+
+RESUME_SAFE = ("actors", "steps", "max_minutes", "eval_every", "ray_address", "resume", "checkpoint_every",
+               "keep_checkpoints", "actor.restarts", "actor.spread", "actor.threads", "learner.restarts",
+               "learner.threads", "replay.restarts", "replay.port", "replay.host")
+"""What flags given with --resume may change: how many actors, budgets, placement, restarts and
+threads. Anything else (the model, the algorithm, the batch, the environment) would make the
+rest of the run another experiment."""
+
+
+def resumed_config(argv: list[str]) -> Config:
+    """The config of a command line: parsed as usual, or, with `--resume DIR`, DIR's config.json
+    with the flags given beside it applied; ValueError for a flag that may not change (RESUME_SAFE)
+    or a directory that holds no run."""
+    import os
+
+    import tyro
+
+    run_dir = _flag_value(argv, "--resume")
+    if run_dir is None:
+        return tyro.cli(Config, args=argv)
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            base = Config.from_json(f.read())
+    except FileNotFoundError:
+        raise ValueError(f"--resume {run_dir}: no config.json there (is it the directory of a run?)") from None
+    base.logdir, base.resume = run_dir, run_dir
+    cfg = tyro.cli(Config, args=argv, default=base)
+    before, after = _flat(base), _flat(cfg)
+    changed = sorted(k for k in after if after[k] != before.get(k) and k not in RESUME_SAFE)
+    if changed:
+        flags = ", ".join(f"--{k.replace('_', '-')} ({before.get(k)!r} -> {after[k]!r})" for k in changed)
+        raise ValueError(f"--resume continues the run in {run_dir} as it was configured; these flags may not change "
+                         f"mid-run: {flags}. Start a new run for that (with --logdir elsewhere).")
+    return cfg
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _flat(cfg, prefix: str = "") -> dict:
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_flat(value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
 
 
 def _build(cls, data: dict):

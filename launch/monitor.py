@@ -61,14 +61,10 @@ class Board:
         self.t0 = time.time()
         self.last: dict[str, float] = {}
         self.evals: list[tuple[int, float]] = []
-        self.steps_seen: set[int] = set()
-
-    @property
-    def last_step(self) -> int:
-        return max(self.steps_seen, default=0)
+        self.step = 0
+        """The learners' optimizer steps so far (the x axis is the policy version)."""
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        self.steps_seen.add(step)
         for k, v in values.items():
             self.writer.add_scalar(k, v, step)
             self.last[k] = v
@@ -94,7 +90,8 @@ class Board:
     def progress(self, version: int) -> None:
         g = self.last.get
         ev = f"{self.evals[-1][1]:.0%}@v{self.evals[-1][0]}" if self.evals else "-"
-        print(f"[{self._clock()}] step {version}/{self.steps} | eval {ev} | "
+        at = f" (v{version})" if version != self.step else ""
+        print(f"[{self._clock()}] step {self.step}/{self.steps}{at} | eval {ev} | "
               f"reward {g('rollout/reward_mean', 0):.2f} | traj/s {g('perf/trajectories_per_s', 0):.1f} | "
               f"staleness {g('async/staleness_mean', 0):.2f} | learner idle {g('perf/learner_idle_fraction', 0):.0%} | "
               f"loss {g('learner/loss', 0):+.4f}", flush=True)
@@ -121,7 +118,7 @@ def step_scalars(m: dict) -> dict[str, float]:
     }
     optional = {"kl_ref": "learner/kl_ref", "value_loss": "critic/value_loss",
                 "explained_variance": "critic/explained_variance", "value_clip_fraction": "critic/clip_fraction",
-                "critic_grad_norm": "critic/grad_norm"}
+                "critic_grad_norm": "critic/grad_norm", "checkpoint_s": "perf/checkpoint_s"}
     out.update({tag: m[k] for k, tag in optional.items() if k in m})
     return out
 

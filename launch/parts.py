@@ -37,17 +37,29 @@ def _threads(n: int) -> None:
 
 
 class ReplayPart:
-    def __init__(self, cfg: Config, key: bytes | None) -> None:
+    """The replay service. `port` (a restart's: the port the parts already talk to) overrides
+    --replay.port; with the run's log it comes back with every stored group."""
+
+    def __init__(self, cfg: Config, key: bytes | None, port: int = 0) -> None:
+        import dataclasses
+
         from replay.server import ReplayServer
 
-        buffer = cfg.replay.make_buffer(cfg.learner.groups_per_step, cfg.staleness_bound, cfg.learners)
+        buffer = cfg.replay.make_buffer(cfg.learner.groups_per_step, cfg.staleness_bound, cfg.learners,
+                                        cfg.replay_log_dir)
         bind, advertise = cluster.listen(cfg.listen_host)
-        self.server = ReplayServer(buffer, cfg.replay.bind(bind), key=key, advertise=advertise,
+        replay = dataclasses.replace(cfg.replay, port=port) if port else cfg.replay
+        self.server = ReplayServer(buffer, replay.bind(bind), key=key, advertise=advertise,
                                    host=cluster.host_key())
         self.endpoint = self.server.start()
 
     def address(self) -> str:
         return self.endpoint
+
+    def serve(self) -> None:
+        """Return when the service stops; raise the error it stopped on (a log it cannot write).
+        The driver waits on this call to see the process die."""
+        self.server.wait()
 
     def where(self) -> dict:
         return cluster.where()
@@ -72,11 +84,13 @@ class LearnerPart:
         """The learners' torch.distributed address: a free port on this (rank 0's) node."""
         return cluster.rendezvous(self.cfg.listen_host)
 
-    def setup(self, dist_url: str):
-        """Join the process group at `dist_url`, load the model; rank 0 returns the weight
-        channel's endpoints."""
+    def setup(self, dist_url: str, resume: bool = False, weight_ports: tuple[int, int] = (0, 0)):
+        """Join the process group at `dist_url`, load the model (with `resume`, the run's newest
+        checkpoint); rank 0 returns the weight channel's endpoints, on `weight_ports` when given
+        (a restarted group: the actors are subscribed there)."""
         import torch
 
+        from learner.checkpoint import Checkpoints
         from learner.trainer import Learner
         from replay.client import ZmqReplayClient
 
@@ -88,8 +102,10 @@ class LearnerPart:
                                  host=cluster.host_key())
         self.learner = Learner(cfg.learner, self.model_path, self.rank, cfg.learners, dist_url, replay,
                                temperature=cfg.actor.temperature, host=bind, advertise=advertise, key=self.key,
-                               algo=cfg.algo, correction=cfg.correction)
-        return self.learner.setup()
+                               algo=cfg.algo, correction=cfg.correction, horizon=cfg.steps,
+                               checkpoints=Checkpoints(cfg.run_dir, cfg.keep_checkpoints),
+                               weight_ports=weight_ports)
+        return self.learner.setup(resume=resume)
 
     def where(self) -> dict:
         return cluster.where()
@@ -100,7 +116,7 @@ class LearnerPart:
 
         save_dir = pathlib.Path(self.cfg.run_dir) / "adapter"
         try:
-            version = self.learner.run(self.cfg.steps, save_dir=save_dir)
+            version = self.learner.run(self.cfg.steps, save_dir=save_dir, checkpoint_every=self.cfg.checkpoint_every)
             self.learner.save_to(save_dir)
             return version
         finally:

@@ -115,6 +115,9 @@ class LearnerConfig:
     """Torch CPU threads per learner process."""
     save_every: int = 0
     """Save the adapter under --logdir every this many steps (0 = only at the end)."""
+    restarts: int = 2
+    """Times the learner group is brought back from its newest checkpoint after a rank dies; past
+    that the run stops with the --resume command that continues it."""
 
     def __post_init__(self) -> None:
         from learner.losses import AGGREGATIONS, KL_ESTIMATORS
@@ -152,5 +155,7 @@ class LearnerConfig:
             raise ValueError("--learner.kl-coef, --learner.entropy-coef and --learner.vf-coef must be ≥ 0")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"--learner.gamma and --learner.lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.restarts < 0:
+            raise ValueError(f"--learner.restarts must be 0 or more, got {self.restarts}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--learner.device must be auto, cpu or cuda, got {self.device!r}")

@@ -54,7 +54,8 @@ class Learner:
     def __init__(self, cfg: LearnerConfig, model_path: str, rank: int, world: int, dist_url: str,
                  replay, temperature: float = 1.0, host: str = "127.0.0.1", key: bytes | None = None,
                  algo: str = DEFAULT_ALGO, correction: str = DEFAULT_CORRECTION,
-                 horizon: int | None = None, advertise: str | None = None) -> None:
+                 horizon: int | None = None, advertise: str | None = None, checkpoints=None,
+                 weight_ports: tuple[int, int] = (0, 0)) -> None:
         from learner.losses import ALGOS, CORRECTIONS
 
         if algo not in ALGOS:
@@ -65,6 +66,13 @@ class Learner:
         self.dist_url, self.replay, self.temperature, self.host = dist_url, replay, temperature, host
         self.key, self.algo, self.correction, self.advertise = key, algo, correction, advertise
         self.version = 0
+        """Adapters published so far: the policy version of the current weights."""
+        self.steps_done = 0
+        """Optimizer steps in the current weights (the budget and the schedule count these); equal
+        to `version` unless the group went back to a checkpoint (learner/checkpoint.py)."""
+        self.checkpoints = checkpoints
+        """A learner.checkpoint.Checkpoints of the run directory, or None (no checkpoints)."""
+        self.weight_ports = weight_ports
         if horizon is not None and horizon < 1:
             raise ValueError(f"the learning-rate schedule's horizon must be at least 1 step, got {horizon}")
         self._horizon = horizon
@@ -81,7 +89,10 @@ class Learner:
         return self._horizon
 
     # -- setup ----------------------------------------------------------------
-    def setup(self):
+    def setup(self, resume: bool = False):
+        """Join the process group, load and shard the model, publish the current adapter; rank 0
+        returns the weight channel's endpoints. With `resume`, the newest checkpoint of
+        `checkpoints` (if any) is loaded first, and versions go on from the run's highest."""
         import torch
         import torch.distributed as dist
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -126,9 +137,44 @@ class Learner:
         if self.rank == 0:
             from replay.weights import WeightPublisher
 
-            self.publisher = WeightPublisher(self.host, key=self.key, advertise=self.advertise)
-        self._publish()  # version 0: the identity adapter, so late joiners can ask for it
+            self.publisher = WeightPublisher(self.host, *self.weight_ports, key=self.key, advertise=self.advertise)
+        if resume:
+            self._resume()
+        self._publish()  # the current adapter (version 0: the identity), so late joiners can ask for it
         return self.publisher.endpoints if self.publisher else None
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint; the version goes on from the highest the run published
+        (learner/checkpoint.py). Without a checkpoint the weights are fresh, at step 0."""
+        from learner.checkpoint import resume_version
+
+        if self.checkpoints is None:
+            raise ValueError("resuming needs the run directory's checkpoints")
+        path = self.checkpoints.latest()
+        meta = self.checkpoints.load(self, path) if path is not None else {"step": 0, "version": 0}
+        self.steps_done = int(meta["step"])
+        self.version = resume_version(int(meta["version"]), self.checkpoints.published())
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        """(trainable parameters, optimizer state) as torch.distributed.checkpoint saves them:
+        sharded, frozen base weights left out."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(self._trainable(), self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+
+    def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self._trainable(), self.optimizer, model_state_dict=model_state,
+                       optim_state_dict=optim_state, options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+    def _trainable(self):
+        """One module holding everything trained: the PEFT model, and PPO's value head beside it."""
+        import torch
+
+        if self.value_head is None:
+            return self.model
+        return torch.nn.ModuleDict({"model": self.model, "value_head": self.value_head})
 
     def _local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", self.rank))
@@ -209,36 +255,44 @@ class Learner:
         from learner.plan import StepSums, step_metrics, trained_rows
 
         t0 = time.perf_counter()
-        step = self.version
-        batch = self._sample()
+        batch, group_ids = self._sample()
         t1 = time.perf_counter()
         self.model.train()
         live, minis = trained_rows(batch, self.algo == "ppo", self.cfg.mini_batches)
         start = self._start_of_step(batch, live)
-        factor = self._set_lr(step)
+        factor = self._set_lr(self.steps_done)
         sums = StepSums()
         for mini in minis:
             self._update(batch, mini, start, sums)
         t2 = time.perf_counter()
+        # Trained on: replay forgets these groups for good, before the adapter that holds them is
+        # published (a learner group that went back to a checkpoint never gets them again).
+        self.replay.ack(self.version, self.rank)
+        self.steps_done += 1
         self.version += 1
+        if self.checkpoints is not None:
+            self.checkpoints.record_trained(self.rank, self.steps_done, self.version, group_ids)
         adapter_bytes = self._publish()
-        self.replay.ack(step, self.rank, wait=False)  # trained on: replay may forget these groups
         t3 = time.perf_counter()
         local = step_metrics(batch, live, sums, self.cfg.mini_batches)
         local.update(lr=self.cfg.lr * factor, wait_s=t1 - t0, train_s=t2 - t1, publish_s=t3 - t2)
         out = self._reduce(local)
-        out.update(step=self.version, version=self.version, adapter_bytes=adapter_bytes,
+        out.update(step=self.steps_done, version=self.version, adapter_bytes=adapter_bytes,
                    idle_fraction=out["wait_s"] / max(t3 - t0, 1e-9), time=time.time())
+        if getattr(self, "_checkpoint_s", None) is not None:
+            out["checkpoint_s"], self._checkpoint_s = self._checkpoint_s, None
         with self._lock:
             self.metrics.append(out)
         return out
 
     def _sample(self):
-        """This rank's shard of the step's batch from replay, collated (with the group advantages)."""
+        """This rank's shard of the step's batch from replay (asked for by the version it starts
+        from: unique across faults), collated with the group advantages; and the groups' ids."""
         from learner.batch import collate
 
         groups = self.replay.sample(self.version, self.rank, self.version)
-        return collate(groups, self.version, self.pad_id, self.cfg.normalize_std, self.algo)
+        batch = collate(groups, self.version, self.pad_id, self.cfg.normalize_std, self.algo)
+        return batch, [g.group_id for g in groups]
 
     def _start_of_step(self, batch, rows: list[int]) -> StartOfStep:
         """What stays fixed through the step's mini-batches, computed without grad over `rows`."""
@@ -352,23 +406,35 @@ class Learner:
         adapter = self.adapter()
         if self.publisher is None:
             return 0
-        return self.publisher.publish(adapter)
+        size = self.publisher.publish(adapter)
+        if self.checkpoints is not None:
+            self.checkpoints.record_published(self.version)
+        return size
 
     # -- driving ----------------------------------------------------------------
-    def run(self, steps: int, stop: threading.Event | None = None, save_dir=None) -> int:
-        """Train until `steps` optimizer steps in total (or fewer, see `limit`) or `stop`;
+    def run(self, steps: int, stop: threading.Event | None = None, save_dir=None, checkpoint_every: int = 0) -> int:
+        """Train until `steps` optimizer steps in total (or fewer, see `limit`) or `stop`,
+        checkpointing every `checkpoint_every` steps and at the end (with `checkpoints`);
         returns the final version."""
         self.target = min(steps, getattr(self, "target", steps))
         self._horizon = self._horizon or steps
-        while self.version < self.target and not (stop and stop.is_set()):
+        saved = self.steps_done
+        while self.steps_done < self.target and not (stop and stop.is_set()):
             self.step()
-            if save_dir is not None and self.cfg.save_every and self.version % self.cfg.save_every == 0:
+            if save_dir is not None and self.cfg.save_every and self.steps_done % self.cfg.save_every == 0:
                 self.save_to(save_dir)
+            if self.checkpoints is not None and checkpoint_every and self.steps_done % checkpoint_every == 0:
+                t = time.perf_counter()
+                self.checkpoints.save(self)
+                self._checkpoint_s = time.perf_counter() - t  # reported with the next step
+                saved = self.steps_done
+        if self.checkpoints is not None and checkpoint_every and saved != self.steps_done:
+            self.checkpoints.save(self)
         return self.version
 
     def limit(self, steps: int) -> None:
-        """End training at `steps` at the latest. Every rank must get the same number, larger
-        than any rank's current version, so that all stop after the same step."""
+        """End training at `steps` optimizer steps at the latest. Every rank must get the same
+        number, larger than any rank's `steps_done`, so that all stop after the same step."""
         self.target = min(steps, getattr(self, "target", steps))
 
     def drain_metrics(self) -> list[dict]:

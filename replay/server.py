@@ -63,17 +63,28 @@ class ReplayConfig:
     """Sampling order among fresh groups: "fifo" (oldest first) or "newest"."""
     drop_zero_variance: bool = False
     """Dynamic sampling: drop (and count) groups whose rewards are all equal; they carry no GRPO signal."""
+    log: bool = True
+    """Keep the append-only log (stored groups survive a replay restart and a resume) in the run
+    directory whenever checkpoints are on; --replay.no-log turns it off."""
     log_dir: str | None = None
-    """Append-only log directory: stored groups survive a replay restart (off by default)."""
+    """Where the log goes instead of <run dir>/replay-log (on also without checkpoints)."""
+    keep_log: bool = False
+    """Keep every segment of the log, also those whose groups were all consumed (for an audit of
+    the whole run: `replay.log.history`); by default consumed segments are removed."""
     fsync: str = "interval"
     """When the log is fsynced: "always" (before every ack), "interval" (about once a second), "never"."""
     arena_mb: int = 64
     """Each actor's shared-memory arena (/dev/shm), reserved up front: on replay's host, groups
     travel through it by reference instead of on the socket. 0 sends every group on the socket."""
+    restarts: int = 3
+    """Times the launcher restarts a replay process that died (on the same port; with the log, every
+    stored group comes back); past that the run stops with a message."""
     sign: bool = True
     """Authenticate every frame with HMAC-SHA256 under a per-run key (the launcher makes and hands it out)."""
 
     def __post_init__(self) -> None:
+        if self.restarts < 0:
+            raise ValueError(f"--replay.restarts must be 0 or more, got {self.restarts}")
         if self.arena_mb < 0:
             raise ValueError(f"--replay.arena-mb must be 0 (off) or more, got {self.arena_mb}")
         if self.capacity < 1 or self.capacity_mb < 1:
@@ -85,10 +96,13 @@ class ReplayConfig:
         if self.fsync not in ("always", "interval", "never"):
             raise ValueError(f"--replay.fsync must be always, interval or never, got {self.fsync!r}")
 
-    def make_buffer(self, groups_per_step: int, max_staleness: int, learners: int) -> ReplayBuffer:
+    def make_buffer(self, groups_per_step: int, max_staleness: int, learners: int,
+                    log_dir: str | None = None) -> ReplayBuffer:
+        """The buffer, keeping its log in `log_dir` (default --replay.log-dir; None: no log)."""
         from replay.log import ReplayLog
 
-        log = ReplayLog(self.log_dir, fsync=self.fsync) if self.log_dir else None
+        log_dir = log_dir or self.log_dir
+        log = ReplayLog(log_dir, fsync=self.fsync, prune=not self.keep_log) if log_dir else None
         return ReplayBuffer(groups_per_step, max_staleness, learners, self.capacity, self.capacity_mb << 20,
                             self.order, self.drop_zero_variance, log)
 
@@ -146,6 +160,13 @@ class ReplayServer:
                 self.buffer.log.close()
             except OSError as exc:  # the log failed already (and said so): nothing more to save
                 logging.getLogger("tandem.replay").warning("closing the replay log: %s", exc)
+
+    def wait(self) -> None:
+        """Block until the service stops; RuntimeError with the error it stopped on, if any."""
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(1.0)
+        if self._error is not None:
+            raise RuntimeError(f"the replay service stopped: {self._error}") from self._error
 
     def snapshot(self) -> dict:
         """The counters; raises if the service has stopped on an error (a log it cannot write)."""
