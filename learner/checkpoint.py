@@ -123,6 +123,11 @@ class Checkpoints:
                 "world": learner.world, "algo": learner.algo, "time": time.time()}, indent=2) + "\n")
         dist.barrier()  # every rank's files are in place
         if learner.rank == 0:
+            missing = [r for r in range(learner.world) if not (tmp / f"rng-{r}.pt").is_file()]
+            if missing:  # the ranks wrote into different filesystems
+                raise CheckpointError(
+                    f"checkpoint {tmp}: the files of rank(s) {missing} are not there. Learner ranks on several "
+                    "machines need a run directory they all share (--logdir on NFS or another shared filesystem)")
             _fsync_tree(tmp)
             if final.exists():  # the same step again (a resumed run that saved it before its fault)
                 shutil.rmtree(final)

@@ -42,6 +42,7 @@ before any checkpoint it resumes from says the step was trained.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -97,6 +98,8 @@ class ReplayStats:
     dropped: Counter = field(default_factory=Counter)
     staleness_served: Counter = field(default_factory=Counter)
     credits_granted: int = 0
+    credits_expired: int = 0
+    """Credits taken back from actors silent for longer than the lease (`ReplayBuffer.expire`)."""
     malformed_frames: int = 0
 
     def to_dict(self) -> dict:
@@ -106,7 +109,8 @@ class ReplayStats:
                 "served_bytes": self.served_bytes, "released_groups": self.released_groups,
                 "duplicates": self.duplicates, "dropped": dict(self.dropped),
                 "staleness_served": {str(k): v for k, v in sorted(self.staleness_served.items())},
-                "credits_granted": self.credits_granted, "malformed_frames": self.malformed_frames}
+                "credits_granted": self.credits_granted, "credits_expired": self.credits_expired,
+                "malformed_frames": self.malformed_frames}
 
 
 class RecentIds:
@@ -134,7 +138,8 @@ class RecentIds:
 class ReplayBuffer:
     def __init__(self, groups_per_step: int, max_staleness: int, num_shards: int = 1,
                  capacity_groups: int = 4096, capacity_bytes: int = 4 << 30, order: str = "fifo",
-                 drop_zero_variance: bool = False, log=None, dedupe_window: int = 250_000) -> None:
+                 drop_zero_variance: bool = False, log=None, dedupe_window: int = 250_000,
+                 lease_s: float = 600.0, clock=None) -> None:
         if groups_per_step < 1 or max_staleness < 0 or num_shards < 1:
             raise ValueError("groups_per_step ≥ 1, max_staleness ≥ 0 and num_shards ≥ 1 are required")
         if groups_per_step % num_shards:
@@ -151,6 +156,10 @@ class ReplayBuffer:
         self.pending = 0  # admitted, not yet committed (being written to the log)
         self.stored_bytes = 0
         self.in_flight: Counter = Counter()  # actor -> credits outstanding
+        self.lease_s = lease_s
+        """Credits of an actor not heard from (no credit request, no push) for this long go back."""
+        self._clock = clock or time.monotonic
+        self._heard: dict[str, float] = {}  # actor -> when it last asked for a credit or pushed
         self.queue: deque[Entry] = deque()
         self.seen = RecentIds(dedupe_window)
         self.batches: dict[int, list[list[Entry] | None]] = {}  # step -> shard per rank (None once acked)
@@ -183,6 +192,20 @@ class ReplayBuffer:
     def hello(self, actor: str) -> None:
         """An actor (re)started: credits it held were lost with it."""
         self.in_flight.pop(actor, None)
+        self._heard[actor] = self._clock()
+
+    def expire(self) -> int:
+        """Take back the credits of actors silent for longer than the lease: an actor that died
+        and never said hello again (its node lost for good, a run resumed with fewer --actors)
+        would otherwise hold them, and admission would shrink for the rest of the run. A live
+        actor that was only slow pushes its group as usual (it is stored; the staleness bound
+        still holds at sampling). Returns the credits taken back."""
+        now, taken = self._clock(), 0
+        for actor in [a for a, n in self.in_flight.items() if n > 0]:
+            if now - self._heard.get(actor, now) > self.lease_s:
+                taken += self.in_flight.pop(actor)
+        self.stats.credits_expired += taken
+        return taken
 
     @property
     def capacity(self) -> int:
@@ -193,6 +216,7 @@ class ReplayBuffer:
 
     def grant(self, actor: str) -> Credit | None:
         """A credit for `actor` if capacity allows, else None (the caller waits)."""
+        self._heard[actor] = self._clock()
         if self.capacity <= 0:
             return None
         self.in_flight[actor] += 1
@@ -214,6 +238,7 @@ class ReplayBuffer:
         """The first half of `push`: "duplicate" or "filtered", or None when the group is to be
         stored; it is then pending (counted against capacity) until `commit`. A server with a
         log writer commits once the group is on the log."""
+        self._heard[entry.actor] = self._clock()
         if self.in_flight[entry.actor] > 0:
             self.in_flight[entry.actor] -= 1
         if entry.group_id in self.seen:

@@ -76,6 +76,9 @@ class ReplayConfig:
     arena_mb: int = 64
     """Each actor's shared-memory arena (/dev/shm), reserved up front: on replay's host, groups
     travel through it by reference instead of on the socket. 0 sends every group on the socket."""
+    lease_s: float = 600.0
+    """Credits held by an actor that has not asked for a credit or pushed a group for this long go
+    back to the pool (an actor that died and was not restarted holds none for ever)."""
     restarts: int = 3
     """Times the launcher restarts a replay process that died (on the same port; with the log, every
     stored group comes back); past that the run stops with a message."""
@@ -85,6 +88,8 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.restarts < 0:
             raise ValueError(f"--replay.restarts must be 0 or more, got {self.restarts}")
+        if self.lease_s <= 0:
+            raise ValueError(f"--replay.lease-s must be positive, got {self.lease_s}")
         if self.arena_mb < 0:
             raise ValueError(f"--replay.arena-mb must be 0 (off) or more, got {self.arena_mb}")
         if self.capacity < 1 or self.capacity_mb < 1:
@@ -104,7 +109,7 @@ class ReplayConfig:
         log_dir = log_dir or self.log_dir
         log = ReplayLog(log_dir, fsync=self.fsync, prune=not self.keep_log) if log_dir else None
         return ReplayBuffer(groups_per_step, max_staleness, learners, self.capacity, self.capacity_mb << 20,
-                            self.order, self.drop_zero_variance, log)
+                            self.order, self.drop_zero_variance, log, lease_s=self.lease_s)
 
     def bind(self, address: str | None = None) -> str:
         """The endpoint to bind: on `address` (resolved by the launcher), else on --replay.host or loopback."""
@@ -204,9 +209,15 @@ class ReplayServer:
             log_done = self._writer.waker.listen()
             poller.register(log_done, zmq.POLLIN)
         self._ready.set()
+        leases = time.monotonic()
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(100))
+                if time.monotonic() - leases > 1.0:
+                    leases = time.monotonic()
+                    with self.lock:
+                        if self.buffer.expire():
+                            self._wake(sock)  # room for the credit requests parked
                 if checked in events:
                     drain(checked)
                     with self.lock:

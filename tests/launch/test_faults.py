@@ -1,7 +1,8 @@
 """Parts of a real run (real Ray, real processes) SIGKILLed at a random moment, as a lost node, an
 out-of-memory kill or a preempted machine would: the run reaches its step budget, versions only go
 up, no group is trained twice, and every group replay acknowledged to an actor is trained on,
-dropped as stale, or still buffered at the end. (An actor killed: tests/launch/test_restarts.py.)"""
+dropped as stale, or still buffered at the end. (An actor killed in its constructor, and past its
+restarts: tests/launch/test_restarts.py.)"""
 
 import json
 import os
@@ -107,13 +108,27 @@ def audit(logdir: Path, count_drops: bool = True) -> dict:
     return {"trained": len(log["trained"]), "dropped": len(dropped), "buffered": len(buffered), "scalars": scalars}
 
 
+def run_and_kill(logdir: Path, title: str, versions: tuple[int, int]) -> str:
+    """A run; once it has published a version drawn from `versions`, at a random moment of the
+    next two seconds, SIGKILL one of its processes titled `title`. Its output, once it has finished."""
+    proc = start(*RUN, "--logdir", str(logdir))
+    wait_for_version(proc, logdir, random.randint(*versions))
+    time.sleep(random.uniform(0, 2))
+    kill_part(proc, title)
+    return finish(proc)
+
+
+def test_an_actor_killed_mid_run_is_replaced_and_nothing_it_pushed_is_lost(tmp_path):
+    logdir = tmp_path / "run"
+    out = run_and_kill(logdir, "ray::ActorPart", (1, 6))
+    assert re.search(r"actor-\d died .*restarting it \(1 of 3\)", out), out[-4000:]
+    found = audit(logdir)
+    assert found["scalars"]["actors/restarts"][-1][1] == 1.0
+
+
 def test_a_learner_rank_killed_mid_run_brings_the_group_back_from_its_checkpoint(tmp_path):
     logdir = tmp_path / "run"
-    proc = start(*RUN, "--logdir", str(logdir))
-    wait_for_version(proc, logdir, random.randint(2, 6))
-    time.sleep(random.uniform(0, 2))
-    kill_part(proc, "ray::LearnerPart")
-    out = finish(proc)
+    out = run_and_kill(logdir, "ray::LearnerPart", (2, 6))
     assert re.search(r"a learner rank died .*went back to its newest checkpoint \(1 of 2 restarts\)", out), out[-4000:]
     found = audit(logdir)
     assert found["scalars"]["learner/restarts"][-1][1] == 1.0
@@ -132,11 +147,7 @@ def test_a_learner_group_that_dies_past_its_restarts_stops_with_the_resume_comma
 
 def test_the_replay_service_killed_mid_run_comes_back_from_its_log(tmp_path):
     logdir = tmp_path / "run"
-    proc = start(*RUN, "--logdir", str(logdir))
-    wait_for_version(proc, logdir, random.randint(1, 6))
-    time.sleep(random.uniform(0, 2))
-    kill_part(proc, "ray::ReplayPart")
-    out = finish(proc)
+    out = run_and_kill(logdir, "ray::ReplayPart", (1, 6))
     assert "the replay service died" in out and "its log brings back every stored group (1 of 3)" in out, out[-4000:]
     found = audit(logdir, count_drops=False)  # drops counted by the killed process after its last report are not in TensorBoard
     assert found["scalars"]["replay/restarts"][-1][1] == 1.0

@@ -10,6 +10,7 @@ def _learner(**kwargs) -> Learner:
     learner = Learner(LearnerConfig(), "unused", 0, 1, "tcp://127.0.0.1:1", replay=None, **kwargs)
 
     def step():  # stands in for an optimizer step
+        learner.steps_done += 1
         learner.version += 1
         return {}
 

@@ -70,3 +70,20 @@ def test_deduplication_memory_is_bounded():
         assert buf.push(e) == "stored"
     assert len(buf.seen) == 3
     assert buf.push(entries[4]) == "duplicate"  # a recent resend is still caught
+
+
+def test_credits_of_an_actor_silent_past_the_lease_go_back():
+    now = [0.0]
+    buf = ReplayBuffer(groups_per_step=2, max_staleness=0, lease_s=60.0, clock=lambda: now[0])
+    assert buf.grant("gone") and buf.grant("gone") and buf.grant("busy") is None  # capacity (0+0+1)·2 = 2
+    now[0] = 50.0
+    assert buf.expire() == 0  # within the lease
+    now[0] = 61.0
+    assert buf.expire() == 2 and buf.stats.credits_expired == 2  # "gone" never came back
+    assert buf.grant("busy") is not None
+    now[0] = 100.0
+    buf.push(make_entry(version=0, seed=1, actor="busy"))  # a push renews the lease
+    assert buf.grant("busy") is not None
+    now[0] = 150.0
+    assert buf.expire() == 0  # heard from 50 s ago
+    assert buf.snapshot()["credits_expired"] == 2
