@@ -8,7 +8,7 @@ steps three ways, in turn, `--rounds` times, on the same cores:
 and measures the learners' wall time per step from TensorBoard's event times, from step `--skip`
 (past start-up) to the last. Prints a table and, last, one JSON line: step_s_off,
 step_s_checkpoints, step_s_both, overhead_checkpoints and overhead_both (time per step against
-off: 1.0 is free), checkpoint_s (mean time of one checkpoint, as the learners report it).
+off: 1.0 is free), overhead_log (both against checkpoints: the log's own cost), checkpoint_s (mean time of one checkpoint, as the learners report it).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def main(args: Args) -> dict:
            "step_s_both": round(mean["both"], 3),
            "overhead_checkpoints": round(mean["checkpoints"] / mean["off"], 3),
            "overhead_both": round(mean["both"] / mean["off"], 3),
+           "overhead_log": round(mean["both"] / mean["checkpoints"], 3),
            "checkpoint_s": round(sum(saves) / len(saves), 3) if saves else None}
     print(json.dumps(out), flush=True)
     return out

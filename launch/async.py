@@ -41,6 +41,11 @@ def main(cfg: Config) -> int:
     started = time.time()
     logdir = cfg.run_dir
     os.makedirs(logdir, exist_ok=True)
+    lock = _lock_run(logdir)
+    if lock is None:
+        print(f"error: another job is running in {logdir} (its driver holds {logdir}/.lock); "
+              "stop it first, or give this one another --logdir", file=sys.stderr)
+        return 2
     config_path = os.path.join(logdir, "config.json")  # the run directory says how it was started
     with open(config_path + ".tmp", "w") as f:
         f.write(cfg.to_json())
@@ -121,6 +126,25 @@ def main(cfg: Config) -> int:
         ray.shutdown()
 
 
+def _lock_run(logdir: str):
+    """An exclusive lock on the run directory for this driver's lifetime (the kernel drops it when
+    the process dies, however it dies), or None when another driver holds it: two jobs writing
+    one run's checkpoints and log would corrupt both."""
+    import fcntl
+
+    f = open(os.path.join(logdir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def resume_command(cfg: Config) -> str:
     """The command that continues this run."""
     import shlex
@@ -174,6 +198,7 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
             # group from its newest checkpoint); one that raised stops the run with its message.
             for line in fleet.check() + replay.check() + learners.check():
                 print(line, flush=True)
+            finished = learners.done  # before the metrics are drained: the last step's are among them
             over = cfg.max_minutes and time.time() - started > 60 * cfg.max_minutes
             if (over or _STOPPING.is_set()) and not limited:
                 # Ranks run in lockstep and the driver's view lags by at most a step: two
@@ -199,7 +224,7 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
                     scalars.update(replay_scalars(stats))
                     board.histogram(version, "replay/staleness_served", stats["staleness_served"])
                 board.scalars(version, scalars)
-            if learners.done:
+            if finished:
                 learners.result()  # surface a learner's exception
                 final = read_adapter(os.path.join(cfg.run_dir, "adapter"))
                 if final.version != last_eval:

@@ -61,6 +61,17 @@ def kill_part(proc: subprocess.Popen, title: str) -> None:
     random.choice(found).send_signal(signal.SIGKILL)
 
 
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the driver, as a lost machine would, and wait for its parts to end (Ray's workers end
+    with its raylet, which ends with the driver); any still there after a minute are killed."""
+    parts = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    proc.communicate(timeout=60)
+    _, alive = psutil.wait_procs(parts, timeout=60)
+    for p in alive:
+        p.kill()
+
+
 def finish(proc: subprocess.Popen, seen: str = "") -> str:
     out, _ = proc.communicate(timeout=900)
     out = seen + out
@@ -118,20 +129,21 @@ def run_and_kill(logdir: Path, title: str, versions: tuple[int, int]) -> str:
     return finish(proc)
 
 
-def test_an_actor_killed_mid_run_is_replaced_and_nothing_it_pushed_is_lost(tmp_path):
+@pytest.mark.parametrize("part, versions, line, counter, count_drops", [
+    ("ray::ActorPart", (1, 6), r"actor-\d died .*restarting it \(1 of 3\)", "actors/restarts", True),
+    ("ray::LearnerPart", (2, 6), r"a learner rank died .*went back to its newest checkpoint \(1 of 2 restarts\)",
+     "learner/restarts", True),
+    # Drops the killed replay counted after its last report are not in TensorBoard: not compared.
+    ("ray::ReplayPart", (1, 6), r"the replay service died .*its log brings back every stored group \(1 of 3\)",
+     "replay/restarts", False),
+], ids=["actor", "learner-rank", "replay"])
+def test_a_part_killed_mid_run_is_brought_back_and_nothing_is_lost_or_trained_twice(
+        tmp_path, part, versions, line, counter, count_drops):
     logdir = tmp_path / "run"
-    out = run_and_kill(logdir, "ray::ActorPart", (1, 6))
-    assert re.search(r"actor-\d died .*restarting it \(1 of 3\)", out), out[-4000:]
-    found = audit(logdir)
-    assert found["scalars"]["actors/restarts"][-1][1] == 1.0
-
-
-def test_a_learner_rank_killed_mid_run_brings_the_group_back_from_its_checkpoint(tmp_path):
-    logdir = tmp_path / "run"
-    out = run_and_kill(logdir, "ray::LearnerPart", (2, 6))
-    assert re.search(r"a learner rank died .*went back to its newest checkpoint \(1 of 2 restarts\)", out), out[-4000:]
-    found = audit(logdir)
-    assert found["scalars"]["learner/restarts"][-1][1] == 1.0
+    out = run_and_kill(logdir, part, versions)
+    assert re.search(line, out), out[-4000:]
+    found = audit(logdir, count_drops=count_drops)
+    assert found["scalars"][counter][-1][1] == 1.0
 
 
 def test_a_learner_group_that_dies_past_its_restarts_stops_with_the_resume_command(tmp_path):
@@ -145,28 +157,37 @@ def test_a_learner_group_that_dies_past_its_restarts_stops_with_the_resume_comma
     assert f"continue the run from its newest checkpoint with  python -m launch.async --resume {logdir}" in out
 
 
-def test_the_replay_service_killed_mid_run_comes_back_from_its_log(tmp_path):
-    logdir = tmp_path / "run"
-    out = run_and_kill(logdir, "ray::ReplayPart", (1, 6))
-    assert "the replay service died" in out and "its log brings back every stored group (1 of 3)" in out, out[-4000:]
-    found = audit(logdir, count_drops=False)  # drops counted by the killed process after its last report are not in TensorBoard
-    assert found["scalars"]["replay/restarts"][-1][1] == 1.0
-
-
 def test_a_killed_driver_leaves_a_run_that_resume_finishes(tmp_path):
     logdir = tmp_path / "run"
     proc = start(*RUN, "--logdir", str(logdir))
-    wait_for_version(proc, logdir, random.randint(2, 7))
+    wait_for_version(proc, logdir, random.randint(2, 5))  # then 4+ steps: the waiting groups are served
     time.sleep(random.uniform(0, 2))
-    proc.kill()
-    proc.communicate(timeout=60)
+    kill_job(proc)
     before = published(logdir)
+    at_kill = history(logdir / "replay-log")
+    waiting = set(at_kill["stored"]) - at_kill["consumed"]  # acknowledged to actors, not trained on
     out = finish(start("--resume", str(logdir)))
     assert f"{STEPS} steps" in out
     found = audit(logdir, count_drops=False)  # the first replay's last drops died with the driver
+    after = history(logdir / "replay-log")
+    # Served after the resume (oldest first), or dropped as too stale for the resumed versions.
+    assert waiting <= set(after["trained"]) | after["dropped"], (len(waiting), out[-3000:])
     versions = [s for s, _ in found["scalars"]["learner/loss"]]
     assert versions[-1] > before  # the resumed versions went on above every version published before
     assert json.loads((logdir / "checkpoints" / f"step-{STEPS:06d}" / "meta.json").read_text())["step"] == STEPS
+
+
+def test_a_second_job_in_a_running_run_directory_is_refused(tmp_path):
+    logdir = tmp_path / "run"
+    proc = start(*RUN, "--logdir", str(logdir))
+    try:
+        wait_for_version(proc, logdir, 1)
+        second = subprocess.run([sys.executable, "-m", "launch.async", "--resume", str(logdir)],
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2
+        assert f"another job is running in {logdir}" in second.stderr, second.stderr[-2000:]
+    finally:
+        kill_job(proc)
 
 
 def test_sigterm_checkpoints_and_exits_with_the_command_that_resume_continues(tmp_path):
