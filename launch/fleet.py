@@ -56,7 +56,7 @@ class Fleet:
             except RayActorError as exc:
                 if self.restarts[i] >= self.max_restarts:
                     raise RuntimeError(f"actor-{i} died after {self.restarts[i]} restart(s), the most "
-                                       f"--actor.restarts {self.max_restarts} allows: {_first_line(exc)}") from None
+                                       f"--actor.restarts {self.max_restarts} allows: {first_line(exc)}") from None
                 self.restarts[i] += 1
                 self._before[i].update({k: v for k, v in self._last[i].items()
                                         if k != "version" and isinstance(v, (int, float))})
@@ -64,7 +64,7 @@ class Fleet:
                 ray.kill(self.actors[i], no_restart=True)  # it is dead: let go of it for good
                 self.actors[i] = self.make(i)
                 self.runs[i] = self.actors[i].run.remote()
-                lines.append(f"actor-{i} died ({_first_line(exc)}); restarting it "
+                lines.append(f"actor-{i} died ({first_line(exc)}); restarting it "
                              f"({self.restarts[i]} of {self.max_restarts})")
                 continue
             # An error of the actor's own (RayTaskError carries it) stops the run with its message.
@@ -100,5 +100,6 @@ class Fleet:
         ray.get(self.runs, timeout=timeout)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (a Ray error's is long), for a one-line report."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from launch.fleet import first_line
+
 
 class LearnerGroup:
     def __init__(self, make: Callable[[int], Any], n: int, restarts: int, resume: bool = False,
@@ -101,7 +103,7 @@ class LearnerGroup:
     def _restart(self, exc: BaseException) -> list[str]:
         import ray
 
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        why = first_line(exc)
         for lr in self.ranks:  # the living ranks are stuck in a collective with the dead one
             ray.kill(lr, no_restart=True)
         for ref in self.training:
@@ -184,7 +186,7 @@ class ReplayService:
     def _restart(self, exc: BaseException) -> str:
         import ray
 
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        why = first_line(exc)
         if self.restarts >= self.max_restarts:
             raise RuntimeError(f"the replay service died after {self.restarts} restart(s), the most "
                                f"--replay.restarts {self.max_restarts} allows: {why}")
