@@ -163,6 +163,9 @@ class Learner:
         return get_state_dict(self._trainable(), self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
+        """Put what `state_dicts` gave (filled by torch.distributed.checkpoint's load, which refuses
+        a checkpoint that lacks any of its keys) into the model and the optimizer. strict=False
+        because the frozen base weights are left out on purpose."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         set_state_dict(self._trainable(), self.optimizer, model_state_dict=model_state,
