@@ -1,4 +1,5 @@
-"""The learner group of a run, from the driver: start it, watch it, bring it back after a death.
+"""The learner group and the replay service of a run, from the driver: start them, watch them,
+bring them back after a death (`LearnerGroup`, `ReplayService`; the actors: launch/fleet.py).
 
 The ranks of a group fail together: a rank whose process dies leaves the others blocked in a
 collective. So when any rank dies the driver kills every rank, makes a new group in the same
