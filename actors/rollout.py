@@ -10,7 +10,8 @@ is back, so nothing waits for the rest of the batch. What the learner needs is
 recorded as it happens: token ids, the behaviour log-prob of every sampled token,
 the loss mask (1 on model tokens, 0 on prompt and observation tokens) and the
 policy version that produced each model token. The learner trains on exactly
-these tokens; nothing is re-tokenised.
+these tokens; nothing is re-tokenised. A turn cut by `max_new_tokens` is closed
+with the template's end-of-turn token (mask 0) before its observation.
 
 `between_turns` is called before every turn: the actor uses it to apply a newer
 adapter, so long episodes pick up new weights without restarting.
@@ -231,7 +232,11 @@ def _stepped(ep: Episode, chat, result, params: SamplingParams, max_tokens: int)
     ep.reward += reward
     if terminated or truncated:
         ep.finish_reason = "terminated" if terminated else "truncated"
-    elif len(ep.tokens) + len(obs_ids) + params.max_new_tokens > max_tokens:
+        return
+    # A turn cut by max_new_tokens gets the end-of-turn token the model did not sample (mask 0),
+    # so the observation follows the token the template puts before it.
+    obs_ids = chat.closing(ep.tokens) + obs_ids
+    if len(ep.tokens) + len(obs_ids) + params.max_new_tokens > max_tokens:
         ep.finish_reason = "length"
     else:
         ep.append(obs_ids, trained=False, version=ep.version)

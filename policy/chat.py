@@ -1,42 +1,213 @@
 """Chat rendering, token in and token out.
 
-The first turn is the chat template applied to the opening messages with the
-generation prompt. Every later observation is rendered as the *difference*
-between the template applied to a fixed base conversation with and without the
-new messages (the approach SkyRL and verl use), so the tokens appended after
-the model's stop token are exactly what the template would produce, and the
-model's own tokens are never re-tokenised.
+An episode's tokens are built turn by turn and never re-tokenised: the prompt
+(the template applied to the opening messages, with the generation prompt), the
+model's own sampled tokens ending with the end-of-turn token, the tokens of the
+next observation, the model's tokens again, and so on. The learner trains on
+exactly these tokens.
+
+Design decisions:
+
+- **End of turn from the template.** The token that closes an assistant turn is
+  read off the template itself (render a conversation ending with an assistant
+  message and take the special token right after its content): `<|im_end|>` for
+  Qwen, `<|eot_id|>` for Llama 3, whatever the tokenizer's eos is (Llama 3 base
+  configs say `<|end_of_text|>`, some Qwen configs `<|endoftext|>`). The engine
+  stops on it (and on eos); it is `stop_ids[0]`, and `closing` appends it after
+  a turn that did not end with it (cut by `max_new_tokens`), so the observation
+  always follows the token the template puts before it.
+- **An observation is what the template appends after an assistant's
+  end-of-turn token.** Its tokens are taken from the template applied to a fixed
+  base conversation (user "hi", assistant "Answer 0.") followed by the new messages,
+  with the generation prompt: everything after the base assistant's end-of-turn
+  token (the approach of SkyRL and verl, cut at the end-of-turn token rather than
+  at the end of the rendered base). So what a template does *inside* earlier
+  assistant turns does not matter: Qwen3 renders the last assistant turn with a
+  `<think>` block and earlier ones without it, but the model's own tokens are
+  never re-rendered. Cutting the token ids (not the text) at a special token
+  keeps the observation's tokens exactly those of the full rendering.
+- **Checked at construction.** A template that cannot be rendered turn by turn
+  raises `ValueError` when `Chat` is built (so a run stops at start, not episode
+  by episode): no chat template; no special token closing the assistant's
+  content; a generation prompt that is not appended after the conversation;
+  earlier messages rendered differently once the conversation grows (say, a
+  turn count in the system header); an observation whose tokens depend on the
+  conversation before it. Sample episodes of three turns are rendered with and
+  without a system message, with user and tool observations and with an
+  observation of two messages. A template that refuses the system or tool role
+  outright (it raises) is accepted: it fails only environments that send them.
+- **Generation prompt as the template renders it.** `template_kwargs` go to
+  every rendering (e.g. `{"enable_thinking": False}` for Qwen3); by default none,
+  so Qwen3 thinks: its generation prompt is `<|im_start|>assistant\\n` and the
+  model writes its own `<think>...</think>` block. With `enable_thinking=False`
+  the generation prompt carries the empty `<think>\\n\\n</think>\\n\\n`.
 """
 
 from __future__ import annotations
 
-_BASE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+from collections.abc import Callable, Sequence
+
+_BASE = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "Answer 0."})
+_PROBE = "Probe answer 7."
+_TURNS = 3
+"""Turns of each sample episode checked at construction."""
+
+
+def _m(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+# (what a sample exercises, its opening, its observation at turn k, whether every template must render it)
+_SAMPLES: tuple[tuple[str, list[dict], Callable[[int], list[dict]], bool], ...] = (
+    ("user observations", [_m("user", "Question one?")], lambda k: [_m("user", f"Observation {k}.")], True),
+    ("a system message", [_m("system", "Be brief."), _m("user", "Question one?")],
+     lambda k: [_m("user", f"Observation {k}.")], False),
+    ("tool observations", [_m("user", "Question one?")], lambda k: [_m("tool", f"result {k}")], False),
+    ("two-message observations", [_m("system", "Be brief."), _m("user", "Question one?")],
+     lambda k: [_m("tool", f"result {k}"), _m("user", f"Then {k}?")], False),
+)
 
 
 class Chat:
-    def __init__(self, tokenizer) -> None:
+    """Renders an episode's messages to tokens, turn by turn.
+
+    Usage::
+
+        chat = Chat(tokenizer)                        # ValueError: template not incremental
+        tokens = chat.prompt_ids(opening_messages)    # then the engine samples, stopping on chat.stop_ids
+        tokens += model_tokens + chat.closing(model_tokens)
+        tokens += chat.observation_ids(observation)   # and so on, turn after turn
+    """
+
+    def __init__(self, tokenizer, template_kwargs: dict | None = None) -> None:
         self.tokenizer = tokenizer
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos token: Tandem needs one to end a model turn")
-        self.stop_ids = tuple(sorted({tokenizer.eos_token_id}))
-        self._base_ids = self._render(_BASE, generation_prompt=False)
+        self.template_kwargs = dict(template_kwargs or {})
+        self.name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"the tokenizer of {self.name} has no chat template: Tandem renders episodes with it. "
+                "Use an instruct/chat checkpoint, or set tokenizer.chat_template (chat_template.jinja in "
+                "the model folder)")
+        self.end_of_turn, self._eot_text = self._find_end_of_turn()
+        eos = tokenizer.eos_token_id
+        self.stop_ids: tuple[int, ...] = (self.end_of_turn,) + (
+            (eos,) if eos is not None and eos != self.end_of_turn else ())
+        """Tokens the engine stops on: the end-of-turn token first, then eos if it differs."""
+        self.skipped: list[str] = []
+        """Sample episodes the template refused to render (roles it does not support)."""
+        self._check_incremental()
+
+    # -- rendering --------------------------------------------------------------
+    def _text(self, messages, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=generation_prompt, tokenize=False, **self.template_kwargs)
+
+    def _ids(self, text: str) -> list[int]:
+        # what apply_chat_template(tokenize=True) does: the template writes the special tokens
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _render(self, messages, generation_prompt: bool) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=True)
-        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return list(ids)
+        return self._ids(self._text(messages, generation_prompt))
 
+    def _after_turn(self, history: Sequence[dict], new: Sequence[dict]) -> list[int]:
+        """Tokens the template appends after the end-of-turn token of `history`'s last message
+        (an assistant turn): the `new` messages and the generation prompt."""
+        content = history[-1]["content"]
+        text = self._text(list(history) + list(new), generation_prompt=True)
+        at = text.find(content + self._eot_text)
+        if at < 0:
+            raise ValueError(
+                f"the chat template of {self.name} does not close an assistant turn with "
+                f"{self._eot_text!r} right after its content when more messages follow it")
+        before = text.count(self._eot_text, 0, at + len(content))
+        ids = self._ids(text)
+        ends = [i for i, t in enumerate(ids) if t == self.end_of_turn]
+        if len(ends) != text.count(self._eot_text):
+            raise ValueError(
+                f"the tokenizer of {self.name} does not turn every {self._eot_text!r} of the rendered chat "
+                "into its single token (check the added token's lstrip/rstrip/normalized settings)")
+        return ids[ends[before] + 1:]
+
+    # -- the interface --------------------------------------------------------
     def prompt_ids(self, messages) -> list[int]:
         """Tokens of the opening messages followed by the assistant's generation prompt."""
         return self._render(list(messages), generation_prompt=True)
 
     def observation_ids(self, messages) -> list[int]:
-        """Tokens to append after a model turn: the new messages and the next generation prompt."""
-        full = self._render(_BASE + list(messages), generation_prompt=True)
-        assert full[: len(self._base_ids)] == self._base_ids, "chat template is not prefix-stable"
-        return full[len(self._base_ids):]
+        """Tokens to append after a model turn that ended with the end-of-turn token: the new
+        messages and the next generation prompt, exactly as the template renders them there."""
+        return self._after_turn(_BASE, list(messages))
+
+    def closing(self, turn: Sequence[int]) -> list[int]:
+        """What to append after a model turn before the next observation: nothing when the turn
+        ended with the end-of-turn token, else that token (a turn cut by max_new_tokens, or one
+        that ended on eos), so the observation follows what the template puts before it."""
+        return [] if turn and turn[-1] == self.end_of_turn else [self.end_of_turn]
 
     def decode(self, ids: list[int]) -> str:
         """The text of a model turn, stop tokens removed."""
         return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)
+
+    # -- checks at construction ---------------------------------------------------
+    def _find_end_of_turn(self) -> tuple[int, str]:
+        try:
+            text = self._text([_m("user", "Hello."), _m("assistant", _PROBE)], generation_prompt=False)
+        except Exception as exc:
+            raise ValueError(f"the chat template of {self.name} cannot render a user message followed by "
+                             f"an assistant message: {exc}") from exc
+        at = text.find(_PROBE)
+        if at < 0:
+            raise ValueError(f"the chat template of {self.name} drops the content of an assistant message, "
+                             "so the model's turns cannot be rendered")
+        rest = text[at + len(_PROBE):]
+        added = {tok.content: i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.content}
+        found = [c for c in added if rest.startswith(c)]
+        if not found:
+            raise ValueError(
+                f"the chat template of {self.name} does not close the assistant's content with a special "
+                f"token (it renders {rest[:40]!r} after it): Tandem needs one to end a model turn, like "
+                "<|im_end|> or <|eot_id|>. Use a template that ends each assistant turn with a special token")
+        text_eot = max(found, key=len)
+        return added[text_eot], text_eot
+
+    def _check_incremental(self) -> None:
+        for what, opening, observe, required in _SAMPLES:
+            episode = list(opening)
+            for k in range(1, _TURNS + 1):
+                episode += [_m("assistant", f"Answer {k}."), *observe(k)]
+            try:
+                self._text(episode, generation_prompt=True)
+            except Exception as exc:
+                if required:
+                    raise ValueError(f"the chat template of {self.name} cannot render a conversation of "
+                                     f"user and assistant messages: {exc}") from exc
+                self.skipped.append(f"{what}: {exc}")
+                continue
+            self._check_episode(what, list(opening), observe)
+
+    def _check_episode(self, what: str, history: list[dict], observe: Callable[[int], list[dict]]) -> None:
+        fix = ("Tandem appends each turn's tokens to the episode and never re-renders earlier ones; use a "
+               "template that renders a conversation's earlier messages the same whatever follows them")
+        for k in range(1, _TURNS + 1):
+            bare, prompt = self._render(history, False), self._render(history, True)
+            if len(prompt) <= len(bare) or prompt[:len(bare)] != bare:
+                raise ValueError(
+                    f"the chat template of {self.name} does not render a conversation with the generation "
+                    f"prompt as the same conversation followed by the assistant's header (episode with {what}, "
+                    f"turn {k}): the model would be prompted with tokens the episode does not hold. Use a "
+                    "template whose add_generation_prompt only appends the header")
+            answer, obs = _m("assistant", f"Answer {k}."), observe(k)
+            grown = self._render(history + [answer, *obs], True)
+            if grown[:len(bare)] != bare:
+                at = next(i for i, (a, b) in enumerate(zip(bare, grown + [None] * len(bare))) if a != b)
+                raise ValueError(
+                    f"the chat template of {self.name} is not prefix-stable: in an episode with {what}, "
+                    f"turn {k}, the messages before the model's turn render as "
+                    f"{self.tokenizer.decode(bare[at:at + 12])!r}... but as "
+                    f"{self.tokenizer.decode(grown[at:at + 12])!r}... once the conversation grows. {fix}")
+            if self._after_turn(history + [answer], obs) != self.observation_ids(obs):
+                raise ValueError(
+                    f"the chat template of {self.name} renders an observation differently depending on the "
+                    f"conversation before it (episode with {what}, turn {k}), so its tokens cannot be "
+                    f"computed turn by turn. {fix}")
+            history += [answer, *obs]
