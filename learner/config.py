@@ -108,11 +108,30 @@ class LearnerConfig:
     """Trajectories per forward/backward pass on a rank (gradient accumulation above it). Rows are
     sorted by length first, so each pass pads only to its own longest row; small passes waste
     little on padding and keep the [b, heads, T, T] attention small."""
+    micro_batch_tokens: int = 0
+    """Size micro-batches by tokens instead of rows (0 = off: --learner.micro-batch rows): each pass
+    takes as many length-sorted rows as keep rows × its longest row within this many tokens; a row
+    longer than that goes alone. Memory follows tokens, so long and short trajectories share one budget."""
+    logit_chunk: int = 1024
+    """Token positions per chunk of the output head: log-probs and entropy are computed from the last
+    hidden state chunk by chunk, each recomputed in the backward, so no [tokens, vocabulary] float32
+    tensor of the whole micro-batch ever exists (0 = the whole micro-batch's logits at once)."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     device: str = "auto"
     """"cpu", "cuda" or "auto" (cuda when available)."""
+    gpus: float = 0.0
+    """GPUs each learner rank asks Ray for (0 = the CPU, gloo); above 0 the ranks train on CUDA with
+    NCCL, each seeing only its own GPU. A fraction (0.5) shares a GPU with actors; with several
+    --learners give each rank a whole GPU (NCCL needs a device per rank)."""
     threads: int = 1
     """Torch CPU threads per learner process."""
+    dtype: str = "auto"
+    """Weights and compute: "bfloat16" (frozen base weights stored in bf16, compute in bf16 through
+    FSDP2's mixed precision; LoRA weights, the critic, gradient reduction and AdamW state stay
+    float32), "float32", or "auto" (bfloat16 on CUDA, float32 on the CPU)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input in the forward and recompute the layer in the backward:
+    activation memory of one layer instead of all, for about a third more compute."""
     save_every: int = 0
     """Save the adapter under --logdir every this many steps (0 = only at the end)."""
     restarts: int = 2
@@ -145,6 +164,9 @@ class LearnerConfig:
             raise ValueError(f"--learner.geo-bound must be above 1, got {self.geo_bound}")
         if self.micro_batch < 1:
             raise ValueError(f"--learner.micro-batch must be at least 1, got {self.micro_batch}")
+        if self.micro_batch_tokens < 0 or self.logit_chunk < 0:
+            raise ValueError(f"--learner.micro-batch-tokens and --learner.logit-chunk must be 0 (off) or positive, "
+                             f"got {self.micro_batch_tokens} and {self.logit_chunk}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"--learner.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.norm_length < 1:
@@ -155,7 +177,12 @@ class LearnerConfig:
             raise ValueError("--learner.kl-coef, --learner.entropy-coef and --learner.vf-coef must be ≥ 0")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"--learner.gamma and --learner.lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"--learner.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.restarts < 0:
             raise ValueError(f"--learner.restarts must be 0 or more, got {self.restarts}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--learner.device must be auto, cpu or cuda, got {self.device!r}")
+        if not 0 <= self.gpus <= 1 or (self.gpus > 0 and self.device == "cpu"):
+            raise ValueError(f"--learner.gpus is the GPUs of one rank, in [0, 1] (a rank trains on one device), "
+                             f"and needs --learner.device auto or cuda; got {self.gpus:g} with {self.device}")

@@ -56,6 +56,23 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
     return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
+def token_micro_batches(rows: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """`rows` in consecutive micro-batches whose padded size, rows × the longest row's length,
+    stays within `budget` tokens; a row longer than `budget` goes alone. lengths[i] is row i's
+    length. `rows` come sorted by length (`trained_rows`), so consecutive rows pad little."""
+    assert budget > 0, "a token budget is positive"
+    out: list[list[int]] = []
+    longest = 0
+    for i in rows:
+        if out and (len(out[-1]) + 1) * max(longest, lengths[i]) <= budget:
+            out[-1].append(i)
+            longest = max(longest, lengths[i])
+        else:
+            out.append([i])
+            longest = lengths[i]
+    return out
+
+
 def shares(chunks: list[list[int]], mask: torch.Tensor, aggregation: str, scale: int = 1) -> list[float]:
     """Each micro-batch's weight in the rank's loss (module docstring). mask: [B, T], the
     action tokens of the rank's whole batch; chunks: row indices into it."""

@@ -2,7 +2,8 @@
 
 Each rank is one process. Ranks join one torch.distributed group (gloo on CPU,
 NCCL on GPU), shard the model with `fully_shard` (one unit per decoder layer,
-then the root), and pull disjoint shards of every step's batch from replay.
+then the root; learner/model.py builds it on the meta device, fills each rank's
+shards from rank 0, and sets bf16 mixed precision), and pull disjoint shards of every step's batch from replay.
 After each optimizer step all ranks gather the adapter (`full_tensor()` is a
 collective) and rank 0 publishes it as policy version v + 1. The reference
 policy, when a loss needs it, is the same model with the adapter disabled
@@ -55,7 +56,7 @@ class Learner:
                  replay, temperature: float = 1.0, host: str = "127.0.0.1", key: bytes | None = None,
                  algo: str = DEFAULT_ALGO, correction: str = DEFAULT_CORRECTION,
                  horizon: int | None = None, advertise: str | None = None, checkpoints=None,
-                 weight_ports: tuple[int, int] = (0, 0)) -> None:
+                 weight_ports: tuple[int, int] = (0, 0), base_config=None) -> None:
         from learner.losses import ALGOS, CORRECTIONS
 
         if algo not in ALGOS:
@@ -73,6 +74,9 @@ class Learner:
         self.checkpoints = checkpoints
         """A learner.checkpoint.Checkpoints of the run directory, or None (no checkpoints)."""
         self.weight_ports = weight_ports
+        self.base_config = base_config
+        """A transformers config to build a randomly initialised base of that shape from, instead of
+        loading `model_path`'s weights (benchmarks of model sizes without a checkpoint); None normally."""
         if horizon is not None and horizon < 1:
             raise ValueError(f"the learning-rate schedule's horizon must be at least 1 step, got {horizon}")
         self._horizon = horizon
@@ -97,9 +101,8 @@ class Learner:
         import torch.distributed as dist
         from peft.tuners.tuners_utils import BaseTunerLayer
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        from policy.load import load_model, with_lora
+        from learner.model import build_policy, resolve_dtype
 
         torch.set_num_threads(self.cfg.threads)
         cuda = self.cfg.device == "cuda" or (self.cfg.device == "auto" and torch.cuda.is_available())
@@ -109,21 +112,11 @@ class Learner:
         dist.init_process_group("nccl" if cuda else "gloo", init_method=self.dist_url,
                                 rank=self.rank, world_size=self.world)
         mesh = init_device_mesh(self.device.type, (self.world,))
-        base = load_model(self.model_path, device=str(self.device))
-        self.pad_id = base.config.pad_token_id or 0
-        model = with_lora(base, self.cfg.lora)
-        if self.algo == "ppo":
-            # The critic: a second LoRA adapter on the same frozen base plus a value head. PEFT marks
-            # an added adapter frozen; it is trained, so mark it trainable.
-            model.add_adapter(CRITIC, self.cfg.lora.peft_config())
-            model.set_requires_grad([POLICY, CRITIC], True)
-            from learner.critic import ValueHead
-
-            self.value_head = ValueHead(base.config.hidden_size, device=self.device)
-            fully_shard(self.value_head, mesh=mesh)  # its own FSDP root: called outside the model's forward
-        for layer in model.base_model.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        self.dtype = resolve_dtype(self.cfg.dtype, self.device)
+        model, self.value_head = build_policy(
+            self.base_config or self.model_path, self.cfg.lora, mesh, self.device, self.dtype,
+            critic=self.algo == "ppo", checkpointing=self.cfg.activation_checkpointing)
+        self.pad_id = model.config.pad_token_id or 0
         self.model = model
         self._lora_layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -183,17 +176,32 @@ class Learner:
         return int(os.environ.get("LOCAL_RANK", self.rank))
 
     # -- forward passes ----------------------------------------------------------
-    def _policy_logits(self, tokens, attention):
-        return self.model(input_ids=tokens, attention_mask=attention).logits
+    def _head(self, hidden):
+        """The output head on hidden states [c, H] -> logits [c, V], for learner/logprobs.py. The
+        head's weight is the root FSDP unit's: unshard it first. That is a no-op (no collective)
+        while it is unsharded, as it stays from the root's forward to its backward unless resharded
+        after forward; the backward's recomputation of a chunk passes here too."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self.model, FSDPModule):
+            self.model.unshard()
+        return self.model.get_output_embeddings()(hidden)
+
+    def _policy_terms(self, tokens, attention, entropy: bool = False):
+        """(log π [b, T], entropy [b, T] or None) of the current model state, chunked by
+        --learner.logit-chunk (learner/logprobs.py); the entropy has grad when its coefficient is
+        above 0."""
+        from learner.logprobs import model_terms
+
+        return model_terms(self.model, tokens, attention, self.temperature, self.cfg.logit_chunk, entropy=entropy,
+                           entropy_grad=entropy and self.cfg.entropy_coef > 0, head=self._head)
 
     def _ref_logprobs(self, tokens, attention):
         """log π_ref: the same model with the adapter disabled (no second copy in memory)."""
         import torch
 
-        from learner.losses import token_logprobs
-
         with torch.no_grad(), self.model.disable_adapter():
-            logp = token_logprobs(self._policy_logits(tokens, attention), tokens, self.temperature)
+            logp, _ = self._policy_terms(tokens, attention)
         # PEFT re-enables adapters by marking only the active one trainable: restore the critic's flags.
         for p in self.critic_params:
             p.requires_grad_(True)
@@ -206,9 +214,7 @@ class Learner:
         return critic_values(self.model, self.value_head, self._lora_layers, CRITIC, tokens, attention)
 
     def _old_logprobs(self, tokens, attention):
-        from learner.losses import token_logprobs
-
-        return token_logprobs(self._policy_logits(tokens, attention), tokens, self.temperature)
+        return self._policy_terms(tokens, attention)[0]
 
     def _forward_all(self, batch, rows: list[int], fn):
         """`fn` over `rows` without grad, in micro-batches, into a [B, T] tensor (start-of-step
@@ -232,7 +238,8 @@ class Learner:
         return (batch.tokens[rows, :width].to(self.device), batch.attention[rows, :width].to(self.device), width)
 
     def _plan(self, batch, rows: list[int], shares: bool = True) -> list[tuple[list[int], float]]:
-        """Micro-batches of `rows` with each one's share of the rank's loss, so that accumulation
+        """Micro-batches of `rows` (--learner.micro-batch rows each, or as many as fit
+        --learner.micro-batch-tokens) with each one's share of the rank's loss, so that accumulation
         equals one pass over the rank's whole batch (learner/plan.py). FSDP's collectives run once
         per forward/backward, so every rank runs as many micro-batches as the busiest one; the
         extra ones repeat a row with share 0."""
@@ -241,7 +248,11 @@ class Learner:
 
         from learner import plan
 
-        chunks = plan.micro_batches(rows, self.cfg.micro_batch)
+        if self.cfg.micro_batch_tokens:
+            lengths = batch.attention.sum(1).tolist()
+            chunks = plan.token_micro_batches(rows, lengths, self.cfg.micro_batch_tokens)
+        else:
+            chunks = plan.micro_batches(rows, self.cfg.micro_batch)
         weights = (plan.shares(chunks, batch.mask, self.cfg.aggregation, self.cfg.mini_batches) if shares
                    else [1.0] * len(chunks))
         count = torch.tensor([len(chunks)], device=self.device)
@@ -350,10 +361,10 @@ class Learner:
             mask = mask * 0  # a padding micro-batch: it takes part in the collectives only
         old = start.old[rows, :width].to(self.device) if start.old is not None else None
         adv = (start.advantages[rows, :width] if ppo else start.advantages[rows]).to(self.device)
-        logits = self._policy_logits(tokens, attention)
+        logp, entropy = self._policy_terms(tokens, attention, entropy=True)  # [b, T] each
         ref = self._ref_logprobs(tokens, attention) if cfg.kl_coef > 0 else None
-        loss, m = policy_objective(cfg, self.correction, logits, tokens, mask,
-                                   batch.behaviour[rows, :width].to(self.device), adv, old, ref, self.temperature)
+        loss, m = policy_objective(cfg, self.correction, logp, entropy, mask,
+                                   batch.behaviour[rows, :width].to(self.device), adv, old, ref)
         (loss * share).backward()
         if ppo:
             values = self._values(tokens, attention)

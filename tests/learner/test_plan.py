@@ -5,7 +5,7 @@ import torch
 
 from learner.batch import Batch
 from learner.losses import AGGREGATIONS, CORRECTIONS, correct, policy_loss
-from learner.plan import StepSums, micro_batches, reduce_metrics, shares, trained_rows
+from learner.plan import StepSums, micro_batches, reduce_metrics, shares, token_micro_batches, trained_rows
 
 close = torch.testing.assert_close
 
@@ -52,10 +52,11 @@ def _random_batch(seed: int):
     return batch, old, logp
 
 
+@pytest.mark.parametrize("split", ["rows", "tokens"])
 @pytest.mark.parametrize("mini_batches", [1, 2])
 @pytest.mark.parametrize("correction", CORRECTIONS)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_micro_batches_weighted_by_the_plan_sum_to_the_full_batch(aggregation, correction, mini_batches):
+def test_micro_batches_weighted_by_the_plan_sum_to_the_full_batch(aggregation, correction, mini_batches, split):
     for seed in range(3):
         batch, old, logp = _random_batch(seed)
         kwargs = {"aggregation": aggregation, "norm_length": 7, "clip_low": 0.2, "clip_high": 0.28}
@@ -75,7 +76,11 @@ def test_micro_batches_weighted_by_the_plan_sum_to_the_full_batch(aggregation, c
         assert 2 not in live and 9 not in live  # zero advantage: no forward pass
         total, grad = 0.0, torch.zeros_like(logp)
         for mini in minis:
-            chunks = micro_batches(mini, 3)
+            if split == "rows":
+                chunks = micro_batches(mini, 3)
+            else:  # rows of 4 to 10 tokens within 16: micro-batches of one to four rows
+                chunks = token_micro_batches(mini, batch.attention.sum(1).tolist(), 16)
+                assert all(len(c) * int(batch.attention[c].sum(1).max()) <= 16 for c in chunks)
             for chunk, share in zip(chunks, shares(chunks, batch.mask, aggregation, mini_batches)):
                 value, g, _ = loss(chunk)
                 total += share * value
@@ -93,6 +98,87 @@ def test_shares_count_the_whole_batch():
     assert shares(chunks, mask, "token_mean", scale=2) == pytest.approx([1.0, 1.0])
     # per trajectory: 2 and 1 of the batch's 4 rows (row 3 is skipped, but counts) -> [0.5, 0.25]
     assert shares(chunks, mask, "seq_mean_token_mean") == pytest.approx([0.5, 0.25])
+
+
+def test_token_budget_packs_sorted_rows_and_a_long_row_goes_alone():
+    lengths = [3, 4, 4, 6, 13]
+    # budget 12: [3, 4, 4] pads to 3 × 4 = 12; adding the 6 would make 4 × 6 = 24; 6 and 13
+    # together 2 × 13 = 26; 13 alone is over the budget but goes anyway, alone
+    chunks = token_micro_batches([0, 1, 2, 3, 4], lengths, 12)
+    assert chunks == [[0, 1, 2], [3], [4]]
+    assert token_micro_batches([4, 0], lengths, 12) == [[4], [0]]  # nothing joins a row over the budget
+    assert token_micro_batches([0, 1, 2, 3, 4], lengths, 100) == [[0, 1, 2, 3, 4]]  # 5 × 13 = 65
+    assert token_micro_batches([], lengths, 12) == []
+    # shares: action tokens 1, 2, 2, 3, 5 (13 in all) -> token_mean [5/13, 3/13, 5/13];
+    # per trajectory 3, 1 and 1 of 5 rows -> [0.6, 0.2, 0.2]
+    mask = (torch.arange(13)[None] < torch.tensor([1, 2, 2, 3, 5])[:, None]).float()
+    assert shares(chunks, mask, "token_mean") == pytest.approx([5 / 13, 3 / 13, 5 / 13])
+    assert shares(chunks, mask, "seq_mean_token_mean") == pytest.approx([0.6, 0.2, 0.2])
+
+
+def _one_step(model, configs, out):
+    """One Learner.step of a world-1 learner for each config, from the same weights and batch."""
+    import socket
+
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+    from replay.buffer import ReplayBuffer
+    from replay.client import LocalReplay
+    from tests.replay.helpers import make_group
+
+    torch.set_num_threads(1)
+    results = []
+    for kwargs in configs:
+        torch.manual_seed(0)
+        replay = LocalReplay(ReplayBuffer(groups_per_step=2, max_staleness=0))
+        for i, length in enumerate((20, 40)):
+            replay.push(make_group(seed=i, length=length, rewards=[1.0, 0.0, 0.0, 1.0]))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=2, **kwargs), model, 0, 1, url, replay)
+        passes, grads = [], []
+        plan, clip = learner._plan, learner._clip
+
+        def planned(batch, rows, shares=True):  # the micro-batches the trainer runs
+            out = plan(batch, rows, shares)
+            passes.extend(c for c, _ in out)
+            return out
+
+        def clipped(params):  # the accumulated gradient, before the optimizer step (AdamW's first is ≈ lr·sign(g))
+            grads.extend(p.grad.full_tensor().numpy().copy() for p in params)
+            return clip(params)
+
+        learner._plan, learner._clip = planned, clipped
+        try:
+            learner.setup()
+            metrics = learner.step()
+            results.append((passes, metrics, grads))
+        finally:
+            learner.close()
+    out.put(results)
+
+
+def test_a_step_in_token_budget_micro_batches_equals_one_pass(tiny_model):
+    import multiprocessing as mp
+
+    import numpy as np
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_one_step, args=(tiny_model, [{"micro_batch": 16}, {"micro_batch_tokens": 100}], out))
+    p.start()
+    (whole, m_whole, g_whole), (budget, m_budget, g_budget) = out.get(timeout=240)
+    p.join(60)
+    assert p.exitcode == 0
+    assert [len(c) for c in whole] == [8]
+    # four rows of 20 tokens (80), then rows of 40 two at a time (3 × 40 = 120 is over 100)
+    assert [len(c) for c in budget] == [4, 2, 2]
+    assert m_budget["loss"] == pytest.approx(m_whole["loss"], rel=1e-5)
+    assert m_budget["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-4)
+    assert len(g_budget) == len(g_whole) and any(np.abs(g).max() > 0 for g in g_whole)
+    for budget_grad, whole_grad in zip(g_budget, g_whole):  # float32 sums in another order
+        np.testing.assert_allclose(budget_grad, whole_grad, rtol=1e-4, atol=1e-5 * np.abs(whole_grad).max())
 
 
 def test_metrics_reduce_to_totals_maxima_minima_and_means():

@@ -1,0 +1,239 @@
+"""`python -m bench.gpu_check`: does the learner train real model sizes on this GPU?
+
+Three checks on one CUDA device, no network, no Ray, each in a fresh process of this script
+(a failure or an out-of-memory in one does not hide the others; peak memory is per check):
+
+  step_0.5b   one NCCL learner step (world 1: the real `Learner`, its `step`, an in-process
+              replay serving a synthetic batch) of a randomly initialised model of Qwen2.5-0.5B's
+              shape (Qwen2Config: hidden 896, 24 layers, 14/2 heads, MLP 4864, vocabulary 151,936,
+              tied embeddings), bf16 mixed precision: step time (mean of --steps after one
+              warm-up step) and peak GPU memory.
+  8b, 8b_ac   the peak GPU memory of one training step of a Qwen3-8B-shaped model (hidden 4096,
+              36 layers, 32/8 heads, head_dim 128, MLP 12288, vocabulary 151,936, untied), bf16,
+              LoRA r=32 on all linear layers, a batch of --rows × --tokens tokens in one
+              micro-batch; without and with --learner.activation-checkpointing.
+  parity      the torch engine on CUDA (bf16 and fp32) against the learner's scoring of the
+              same tokens (bench/parity.py: built-in model, random adapter): max |log μ − log π|
+              and the mismatch KL.
+
+Peak memory is `torch.cuda.max_memory_allocated` over the steps, reset after the model is set
+up (the setup's own figure is reported beside it). Ends with one JSON line; keys ending in _gb
+are GiB.
+
+Exit status: 0 when every check ran; 1 when one failed (its key "error" says why); 0 at once
+with {"gpu": false, ...} when there is no CUDA device: the check needs one. `--device cpu --tiny`
+runs the same code on tiny shapes on the CPU (gloo, no memory figures): the CI smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CHECKS = ("step_0.5b", "8b", "8b_ac", "parity")
+
+SHAPES = {
+    "0.5b": dict(kind="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "8b": dict(kind="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+               head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
+}
+TINY = {
+    "0.5b": dict(kind="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
+    "8b": dict(kind="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=False),
+}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=4, help="trajectories in the 8B step's batch")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per trajectory of the 8B step")
+    p.add_argument("--steps", type=int, default=2, help="timed steps of the 0.5B check (after one warm-up)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts of the parity check")
+    p.add_argument("--timeout", type=int, default=110, help="seconds each check may take (4 checks: within 8 minutes)")
+    p.add_argument("--checks", default=",".join(CHECKS), help=f"which of {', '.join(CHECKS)}")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=CHECKS, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    unknown = set(args.checks.split(",")) - set(CHECKS)
+    if unknown:
+        p.error(f"unknown checks {sorted(unknown)}; choose from {', '.join(CHECKS)}")
+    if args.rows < 2 or args.tokens < 8 or args.steps < 1:
+        p.error("--rows ≥ 2 (GRPO skips a group whose rewards are all equal), --tokens ≥ 8 and --steps ≥ 1")
+    return args
+
+
+def model_config(shape: dict):
+    """A transformers config of `shape` (SHAPES / TINY), nothing downloaded."""
+    from transformers import Qwen2Config, Qwen3Config
+
+    shape = dict(shape)
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[shape.pop("kind")]
+    last = shape["vocab_size"] - 1
+    return cls(**shape, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+               bos_token_id=last, eos_token_id=last, pad_token_id=last)
+
+
+def _group(vocab: int, rows: int, tokens: int, seed: int):
+    """One GRPO group of random tokens: a quarter prompt, then model tokens; rewards 1, 0, 1, …"""
+    import uuid
+
+    import numpy as np
+
+    from replay.wire import Group, Trajectory
+
+    rng = np.random.default_rng(seed)
+    mask = (np.arange(tokens) >= tokens // 4).astype(np.uint8)
+    trajs = [Trajectory(tokens=rng.integers(0, vocab - 1, tokens).astype(np.int32),
+                        logprobs=np.where(mask, -3 * rng.random(tokens), 0).astype(np.float32), mask=mask,
+                        versions=np.zeros(tokens, np.int32), reward=float((i + 1) % 2), turns=1,
+                        finish_reason="terminated") for i in range(rows)]
+    return Group(uuid.uuid4().hex, f"gpu-check-{seed}", trajs, actor="gpu-check")
+
+
+def learner_steps(config, device: str, rows: int, tokens: int, warmup: int, steps: int,
+                  checkpointing: bool = False, name: str = "random") -> dict:
+    """`warmup` + `steps` steps of a world-1 `Learner` on a random model of `config` (bf16 mixed
+    precision): mean step seconds, peak and setup GPU memory (GiB; None on the CPU), last loss."""
+    import socket
+
+    import torch
+
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+    from replay.buffer import ReplayBuffer
+    from replay.client import LocalReplay
+
+    cuda = device == "cuda"
+    cfg = LearnerConfig(groups_per_step=1, micro_batch=rows, device=device, dtype="bfloat16",
+                        activation_checkpointing=checkpointing, lr_schedule="constant")
+    replay = LocalReplay(ReplayBuffer(groups_per_step=1, max_staleness=1_000_000), actor="gpu-check")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    torch.manual_seed(0)
+    learner = Learner(cfg, f"random:{name}", 0, 1, url, replay, base_config=config)
+    try:
+        learner.setup()
+        if cuda:
+            torch.cuda.synchronize()
+            setup_gb = torch.cuda.memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        times, metrics = [], {}
+        for k in range(warmup + steps):
+            replay.push(_group(config.vocab_size, rows, tokens, k))
+            t0 = time.perf_counter()
+            metrics = learner.step()
+            if cuda:
+                torch.cuda.synchronize()
+            if k >= warmup:
+                times.append(time.perf_counter() - t0)
+        peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    finally:
+        learner.close()
+    loss = float(metrics["loss"])
+    if loss != loss or abs(loss) == float("inf"):
+        raise RuntimeError(f"the step's loss is {loss}")
+    return {"step_s": round(sum(times) / len(times), 4), "peak_gb": None if peak_gb is None else round(peak_gb, 3),
+            "setup_gb": round(setup_gb, 3) if cuda else None, "loss": loss,
+            "params_m": round(sum(p.numel() for p in learner.model.parameters()) / 1e6, 1)}
+
+
+def parity(device: str, prompts: int) -> dict:
+    """bench/parity.py's comparison with the torch engine on `device`, in bf16 and in fp32."""
+    import torch
+
+    from actors.engine import SamplingParams, make_engine
+    from bench.parity import compare, prompts_for, random_adapter
+    from policy import Chat, load_tokenizer, resolve_model
+    from policy.load import LoraSpec
+
+    model_path = resolve_model("builtin:tiny")
+    lora = LoraSpec()
+    chat = Chat(load_tokenizer(model_path))
+    tensors = random_adapter(model_path, lora)
+    params = SamplingParams(16, chat.stop_ids, temperature=0.7)
+    out = {}
+    for dtype in ("bfloat16", "float32"):
+        torch.manual_seed(0)
+        engine = make_engine("torch", model_path, lora, device=device, dtype=dtype)
+        try:
+            r = compare(engine, model_path, lora, tensors, prompts_for(chat, prompts), params)
+        finally:
+            engine.close()
+        short = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
+        out[f"torch_{short}_max_abs"], out[f"torch_{short}_kl"] = r["max_abs"], r["kl"]
+        out["tokens"] = r["tokens"]
+    return out
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One check in this (fresh) process."""
+    import torch
+
+    torch.set_num_threads(2 if args.device == "cpu" else 8)
+    shapes = TINY if args.tiny else SHAPES
+    if args.child == "step_0.5b":
+        tokens = 64 if args.tiny else 1024
+        return learner_steps(model_config(shapes["0.5b"]), args.device, 4, tokens, 1, args.steps, name="qwen2.5-0.5b")
+    if args.child in ("8b", "8b_ac"):
+        tokens = 32 if args.tiny else args.tokens
+        return learner_steps(model_config(shapes["8b"]), args.device, args.rows, tokens, 0, 1,
+                             checkpointing=args.child == "8b_ac", name="qwen3-8b")
+    return parity(args.device, 4 if args.tiny else args.prompts)
+
+
+def _run(args: argparse.Namespace, check: str, argv: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "bench.gpu_check", *argv, "--child", check]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"took over {args.timeout}s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = [line for line in proc.stdout.splitlines() if line.strip()][-3:]
+        return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)[-600:]}
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return 0
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device here: the GPU check needs one (it trains real model sizes); nothing was run")
+        print(json.dumps({"gpu": False, "reason": "torch.cuda.is_available() is False", "torch": torch.__version__}))
+        return 0
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"gpu check on {name}{' (tiny shapes)' if args.tiny else ''}: {args.checks}", flush=True)
+    result: dict = {"gpu": args.device == "cuda", "device": name, "tiny": args.tiny, "torch": torch.__version__}
+    failed = False
+    t_all = time.perf_counter()
+    for check in args.checks.split(","):
+        t0 = time.perf_counter()
+        r = _run(args, check, argv)
+        failed |= "error" in r
+        print(f"{check:>9}: {json.dumps(r)} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        result[check] = r
+    if not failed and {"8b", "8b_ac"} <= set(result) and result["8b"]["peak_gb"]:
+        result["ac_peak_ratio"] = round(result["8b_ac"]["peak_gb"] / result["8b"]["peak_gb"], 3)
+    result.update(ok=not failed, wall_s=round(time.perf_counter() - t_all, 1))
+    print(json.dumps(result), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
