@@ -62,8 +62,12 @@ class ActorConfig:
     """Most tokens the model may write in one turn."""
     max_tokens: int = 1024
     """Context limit of an episode; an episode that would exceed it ends with finish reason "length"."""
-    device: str = "cpu"
-    """Device of the engine: "cpu", "cuda" or "auto" (cuda when this process sees one)."""
+    gpus: float = 0.0
+    """GPUs each actor process asks Ray for (0 = the CPU); a fraction shares one GPU between
+    actors (0.5: two actors a GPU). Each actor sees only the GPU Ray gave it, as cuda:0."""
+    device: str = "auto"
+    """Device of the engine: "auto" (cuda when --actor.gpus is above 0, else cpu), "cpu", or
+    "cuda" (with --actor.gpus 0 that asks for one GPU per actor)."""
     dtype: str = "auto"
     """Weights and compute dtype of the engine: "float32", "bfloat16", "float16" or "auto"
     (bfloat16 for vLLM on a GPU, whose LoRA kernels take only 16-bit types; float32 otherwise)."""
@@ -109,6 +113,16 @@ class ActorConfig:
     enforce_eager: bool = False
     """vLLM: run the model eagerly (no CUDA graphs or compilation): a faster start, slower decoding."""
 
+    @property
+    def num_gpus(self) -> float:
+        """GPUs each actor (and the evaluator, which runs its policy) asks Ray for."""
+        return self.gpus if self.gpus > 0 else (1.0 if self.device == "cuda" else 0.0)
+
+    @property
+    def engine_device(self) -> str:
+        """Where the engine runs: "cuda" when the actor has a GPU, else "cpu"."""
+        return "cuda" if self.num_gpus > 0 else "cpu"
+
     def engine_options(self) -> dict:
         """Keyword arguments of `make_engine` for --actor.engine, from this section."""
         if self.engine == "torch":
@@ -124,6 +138,16 @@ class ActorConfig:
             raise ValueError(f"--actor.restarts must be 0 or more, got {self.restarts}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--actor.device must be cpu, cuda or auto, got {self.device!r}")
+        if not 0 <= self.gpus <= 1:
+            raise ValueError(f"--actor.gpus is the GPUs of one actor, in [0, 1] (an engine runs on one GPU; a "
+                             f"fraction shares it), got {self.gpus:g}")
+        if self.device == "cpu" and self.gpus > 0:
+            raise ValueError(f"--actor.gpus {self.gpus:g} with --actor.device cpu: the engine would leave its GPU "
+                             "idle; drop --actor.device cpu (or --actor.gpus)")
+        if self.engine == "vllm" and 0 < self.gpus < self.memory_fraction:
+            raise ValueError(f"--actor.memory-fraction {self.memory_fraction:g} with --actor.gpus {self.gpus:g}: "
+                             "each vLLM engine sharing the GPU would take that fraction of all its memory; set "
+                             f"--actor.memory-fraction to {self.gpus:g} or less")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--actor.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 < self.memory_fraction <= 1:

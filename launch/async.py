@@ -1,9 +1,12 @@
 """`python -m launch.async`: the main job.
 
-Parses the root config, builds the warm start if the built-in maze policy is
-not cached yet, starts (or joins) Ray, places the replay service, the learner
-ranks and the actors as Ray actors, evaluates and logs to TensorBoard from this
-driver process, and shuts everything down on completion or Ctrl-C.
+Parses the root config, resolves the model once (a Hub id to its snapshot in the
+Hugging Face cache; the maze warm start is built if it is not cached yet) and
+checks its chat template, starts (or joins) Ray, checks the cluster has the GPUs
+the parts ask for, places the replay service, the learner ranks and the actors
+as Ray actors, evaluates (here, or as a part beside the actors when they have
+GPUs) and logs to TensorBoard, and shuts everything down on completion or Ctrl-C.
+Whatever the user must fix stops the job before Ray starts, with exit code 2.
 
 (The module is named `async.py` after the mode; `async` is a keyword, so no
 code imports it: what other entry points share with it lives in launch/parts.py,
@@ -30,15 +33,25 @@ def main(cfg: Config) -> int:
     import torch
 
     from launch import cluster
-    from launch.fleet import Fleet
+    from launch.fleet import Fleet, PartFailed, init_error
     from launch.monitor import Board
-    from launch.parts import ActorPart, LearnerPart, ReplayPart, resolve_policy
+    from launch.parts import (ActorPart, LearnerPart, ReplayPart, actor_options, gpu_demand, learner_gpus,
+                              learner_options, replay_options, resolve_policy)
     from launch.supervise import GroupFailed, LearnerGroup, ReplayService
+    from policy import Chat, load_tokenizer
+    from ray.exceptions import RayActorError
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    started = time.time()
+    started = time.time()  # the --max-minutes budget includes the warm start
+    try:  # before the run directory and Ray: a model that is not there, or whose chat template
+        # cannot be rendered turn by turn, is the user's to fix (ModelNotFound is a ValueError)
+        model_path = resolve_policy(cfg)
+        Chat(load_tokenizer(model_path))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     logdir = cfg.run_dir
     os.makedirs(logdir, exist_ok=True)
     lock = _lock_run(logdir)
@@ -50,14 +63,13 @@ def main(cfg: Config) -> int:
     with open(config_path + ".tmp", "w") as f:
         f.write(cfg.to_json())
     os.replace(config_path + ".tmp", config_path)
-    model_path = resolve_policy(cfg)
     torch.set_num_threads(1)
     mode = "colocated sync (η=0)" if cfg.colocate else f"async (η={cfg.staleness_bound})"
     print(f"tandem: {cfg.actors} actors, {cfg.learners} learners, {mode}, {cfg.steps} steps, "
           f"env {cfg.env}, model {model_path}, logs in {logdir}", flush=True)
 
     env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+                "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", **cluster.hf_env()}
     joining = bool(cfg.ray_address)
     runtime_env = cluster.runtime_env(env_vars, cfg.env, joining)
     if joining:
@@ -69,13 +81,10 @@ def main(cfg: Config) -> int:
     else:
         cluster.start_local(max(os.cpu_count() or 1, 1 + cfg.learners + cfg.actors), runtime_env)
     _catch_interrupts()  # after ray.init, which installs handlers of its own
-    actor_gpus = 1 if cfg.actor.device == "cuda" else 0  # each actor's engine on a GPU of its own
-    have = ray.cluster_resources().get("GPU", 0)
-    if cfg.actors * actor_gpus > have:
+    short = cluster.gpu_shortfall(gpu_demand(cfg), ray.cluster_resources().get("GPU", 0))
+    if short:
         ray.shutdown()
-        print(f"error: --actor.device cuda gives each of the {cfg.actors} actors a GPU of its own; "
-              f"the Ray cluster has {have:g}. Use fewer --actors, more GPUs, or --actor.device cpu.",
-              file=sys.stderr)
+        print(f"error: {short}", file=sys.stderr)
         return 2
     if joining:
         problems = cluster.problems_text(cluster.check_nodes(cfg.env, model_path))
@@ -85,20 +94,16 @@ def main(cfg: Config) -> int:
             return 2
     board = Board(logdir, cfg.steps)
     try:
-        Replay = ray.remote(num_cpus=1, max_concurrency=2)(ReplayPart)
-        Learner = ray.remote(num_cpus=1, max_concurrency=2)(LearnerPart)
-        Actor = ray.remote(num_cpus=1, num_gpus=actor_gpus, max_concurrency=2)(ActorPart)
+        Replay, Learner, Actor = (ray.remote(p) for p in (ReplayPart, LearnerPart, ActorPart))
         key = secrets.token_bytes(32) if cfg.replay.sign else None  # this run's frame-signing key
-        group = cluster.placement(cfg.learners)  # replay and the learners, packed together
-        replay = ReplayService(lambda port: Replay.options(**cluster.in_bundle(group, 0)).remote(cfg, key, port),
+        group = cluster.placement(cfg.learners, learner_gpus(cfg))  # replay and the learners, packed together
+        replay = ReplayService(lambda port: Replay.options(**replay_options(group)).remote(cfg, key, port),
                                cfg.replay.restarts, logged=cfg.replay_log_dir is not None)
         endpoint = replay.endpoint
-        learners = LearnerGroup(lambda r: Learner.options(**cluster.in_bundle(group, 1 + r)).remote(
+        learners = LearnerGroup(lambda r: Learner.options(**learner_options(cfg, group, r)).remote(
             cfg, model_path, r, endpoint, key), cfg.learners, cfg.learner.restarts, resume=bool(cfg.resume))
         weights = learners.start()
-        spread = "SPREAD" if cfg.actor.spread else "DEFAULT"
-        fleet = Fleet(lambda i: Actor.options(scheduling_strategy=spread).remote(cfg, model_path, i, endpoint,
-                                                                                 weights, key),
+        fleet = Fleet(lambda i: Actor.options(**actor_options(cfg)).remote(cfg, model_path, i, endpoint, weights, key),
                       cfg.actors, cfg.actor.restarts)  # calls run() on each
         if joining:
             names = ["replay", *(f"learner-{r}" for r in range(cfg.learners)), *(f"actor-{i}" for i in range(cfg.actors))]
@@ -117,6 +122,14 @@ def main(cfg: Config) -> int:
     except KeyboardInterrupt:
         print(f"interrupted: stopping every part (continue with  {resume_command(cfg)})", flush=True)
         return 130
+    except PartFailed as exc:  # a part's constructor raised (a GPU it cannot use, a model it cannot load)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except RayActorError as exc:
+        if not exc.actor_init_failed:
+            raise
+        print(f"error: a part could not start: {init_error(exc)}", file=sys.stderr, flush=True)
+        return 1
     except GroupFailed as exc:
         print(f"error: {exc}\ncontinue the run from its newest checkpoint with  {resume_command(cfg)}",
               file=sys.stderr, flush=True)
@@ -172,12 +185,13 @@ def _catch_interrupts() -> None:
 
 
 def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fleet) -> None:
-    from launch.monitor import Evaluator, actor_scalars, replay_scalars, step_scalars
+    from launch.monitor import actor_scalars, replay_scalars, step_scalars
+    from launch.parts import make_evaluator
     from learner.checkpoint import Checkpoints
     from policy.adapter import read_adapter
     from replay.weights import WeightSubscriber
 
-    evaluator = Evaluator(cfg, model_path)
+    evaluator = make_evaluator(cfg, model_path)  # where the actors run the policy
     sub = WeightSubscriber(weights, key=key)
     if cfg.resume:  # what the run evaluated before is in TensorBoard already
         checkpoints = Checkpoints(cfg.run_dir)

@@ -18,13 +18,17 @@ left behind on the machine, and its sockets stay on loopback. Joining a cluster
   /dev/shm but are two hosts to Ray and to the user, and their groups go over sockets.
 - **Placement.** Replay and the learners in one placement group, packed onto as few nodes as
   hold them (PACK); actors spread over the nodes (`--actor.spread`, Ray's SPREAD) or packed by
-  Ray's default. A table printed at start says which part runs where.
+  Ray's default. A table printed at start says which part runs where. Each part asks for 1 CPU;
+  actors and learner ranks also for `--actor.gpus` / `--learner.gpus` (launch/parts.py: how each
+  part then sees only its own devices).
 - **Code.** The job's packages, and a `--env module:Class` module from outside site-packages,
   travel with the job (Ray's runtime environment, `py_modules`). What pip installed (torch,
   transformers, vLLM) must be on every node, in the driver's versions: a task on every node
   checks that at start, with the user's environment and the model directory, and the job stops
-  with what is missing where. A built-in model (a few MB) is copied to nodes that lack it; any
-  other local model directory must be at the same path on every node.
+  with what is missing where. A built-in model (a few MB) is copied to nodes that lack it; a Hub
+  id is resolved once, by the driver, to a snapshot in its Hugging Face cache, and a node that
+  lacks it fetches that revision into the same cache path; any other local model directory must
+  be at the same path on every node.
 """
 
 from __future__ import annotations
@@ -69,6 +73,16 @@ def start_local(num_cpus: int, runtime_env: dict) -> None:
 
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
              log_to_driver=True, logging_level="warning")
+
+
+HF_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN", "HF_ENDPOINT")
+"""The user's Hugging Face settings, passed to every part as they are set for the driver (never
+set otherwise: offline mode is the user's choice, and the parts load the resolved directory)."""
+
+
+def hf_env() -> dict[str, str]:
+    """The HF_VARS set in this (the driver's) environment."""
+    return {k: os.environ[k] for k in HF_VARS if k in os.environ}
 
 
 def runtime_env(env_vars: dict, env: str, joining: bool) -> dict:
@@ -162,21 +176,42 @@ def where() -> dict:
 
 
 # -- placement -----------------------------------------------------------------------------------
-def placement(learners: int, timeout: float = 300.0):
-    """A placement group for replay (bundle 0) and the learners (bundles 1..N), packed onto as few
-    nodes as hold them. RuntimeError, saying what the cluster lacks, if it cannot be placed."""
+def bundles(learners: int, gpus: float) -> list[dict]:
+    """The placement group's bundles: replay's (1 CPU) and one per learner rank (1 CPU, and `gpus`
+    GPUs when above 0)."""
+    rank = {"CPU": 1, "GPU": gpus} if gpus > 0 else {"CPU": 1}
+    return [{"CPU": 1}] + [dict(rank) for _ in range(learners)]
+
+
+def placement(learners: int, gpus: float = 0.0, timeout: float = 300.0):
+    """A placement group for replay (bundle 0) and the learners (bundles 1..N, each with `gpus`
+    GPUs), packed onto as few nodes as hold them. RuntimeError, saying what the cluster lacks, if
+    it cannot be placed."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundles = [{"CPU": 1}] * (1 + learners)
-    group = placement_group(bundles, strategy="PACK")
+    group = placement_group(bundles(learners, gpus), strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout)
     if not ready:
         remove_placement_group(group)
-        raise RuntimeError(f"Ray could not place replay and {learners} learner(s) ({len(bundles)} CPUs) within "
-                           f"{timeout:g} s; the cluster has {ray.available_resources().get('CPU', 0):g} CPUs free "
-                           f"of {ray.cluster_resources().get('CPU', 0):g}")
+        free, total = ray.available_resources(), ray.cluster_resources()
+        raise RuntimeError(f"Ray could not place replay and {learners} learner(s) ({1 + learners} CPUs, "
+                           f"{learners * gpus:g} GPUs) within {timeout:g} s; the cluster has "
+                           f"{free.get('CPU', 0):g} CPUs free of {total.get('CPU', 0):g} and "
+                           f"{free.get('GPU', 0):g} GPUs free of {total.get('GPU', 0):g}")
     return group
+
+
+def gpu_shortfall(demand: list[tuple[str, int, float]], have: float) -> str | None:
+    """What is wrong when the parts ask for more GPUs than the cluster has (None: they fit).
+    `demand`: (what, processes, GPUs each). Fractions are summed: Ray packs them onto GPUs."""
+    need = sum(n * g for _, n, g in demand)
+    if need <= have + 1e-9:
+        return None
+    parts = " + ".join(f"{what} {n} × {g:g}" for what, n, g in demand if g > 0)
+    return (f"the parts ask for {need:g} GPUs ({parts}); the Ray cluster has {have:g}. Use fewer --actors or "
+            "--learners, smaller --actor.gpus / --learner.gpus (a fraction shares a GPU), more GPUs, or 0 to run "
+            "a part on the CPU")
 
 
 def in_bundle(group, index: int) -> dict:
@@ -200,17 +235,29 @@ def manifest(model_path: str) -> dict | None:
     """Names and sizes of the files of a local model directory (None for a Hub id), and their
     bytes where it is a built-in model small enough to copy to the nodes."""
     from policy.cache import cache_dir
-    from policy.load import BUILTIN_DIRS
+    from policy.load import BUILTIN_DIRS, hub_snapshot_of
 
     path = Path(model_path)
     if not path.is_dir():
         return None
-    files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+    hub = hub_snapshot_of(path)
+    files = _model_files(path, hub is not None)
     builtin = path.parent == cache_dir() and path.name in BUILTIN_DIRS.values()
     data = None
     if builtin and sum(files.values()) <= COPY_LIMIT:
         data = {name: (path / name).read_bytes() for name in files}
-    return {"path": str(path), "files": files, "data": data}
+    return {"path": str(path), "files": files, "data": data, "hub": hub}
+
+
+def _model_files(path: Path, hub: bool) -> dict[str, int]:
+    """{relative name: size} of a model directory's files; of a Hub snapshot, only those Tandem
+    fetches (a snapshot may hold other copies of the weights, which no node needs)."""
+    from fnmatch import fnmatch
+
+    from policy.load import MODEL_FILES
+
+    files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+    return {n: size for n, size in files.items() if not hub or any(fnmatch(n, p) for p in MODEL_FILES)}
 
 
 def inspect_node(env: str, model: dict | None) -> dict:
@@ -243,12 +290,27 @@ def inspect_node(env: str, model: dict | None) -> dict:
 
 def _check_model(model: dict) -> list[str]:
     path = Path(model["path"])
+    hub = model.get("hub")
     if not path.is_dir() and model["data"] is not None:
         _copy_model(path, model["data"])
+    if not path.is_dir() and hub is not None:
+        # The driver resolved a Hub id to this snapshot: the node fetches the same revision into a
+        # cache at the same path (with its own HF_* settings, which the job passes through).
+        from policy.load import ModelNotFound, _hub_snapshot
+
+        repo, revision, cache = hub
+        try:
+            _hub_snapshot(repo, cache=cache, revision=revision)
+        except ModelNotFound as exc:
+            return [f"the model {repo} (revision {revision}) is not in this node's Hugging Face cache {cache} and "
+                    f"could not be fetched: {exc}"]
+        except OSError as exc:  # the cache path cannot be written here
+            return [f"the model {repo} could not be fetched into {cache} on this node ({exc}): give every node "
+                    "the same HF_HOME / HF_HUB_CACHE, writable, or a shared filesystem"]
     if not path.is_dir():
         return [f"the model directory {path} is not on this node: put it at the same path on every node "
                 "(or on a shared filesystem), or pass a Hub id"]
-    here = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+    here = _model_files(path, hub is not None)
     if here != model["files"]:
         differ = sorted(set(here.items()) ^ set(model["files"].items()))
         return [f"the model directory {path} here differs from the driver's (files {', '.join(n for n, _ in differ[:4])}): "

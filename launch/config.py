@@ -149,8 +149,9 @@ class Config:
     "decoupled" (AReaL's decoupled PPO)."""
     model: str = "auto"
     """Policy: "builtin:maze" (tiny model after the maze warm start, built locally on first use),
-    "builtin:tiny" (untrained), a local Hugging Face checkpoint path, or a Hub id. "auto" is
-    builtin:maze for --env maze and builtin:tiny for any other environment."""
+    "builtin:tiny" (untrained), a local Hugging Face checkpoint directory, or a Hub id (fetched once
+    by the driver into the Hugging Face cache, or read from it when HF_HUB_OFFLINE is set). "auto"
+    is builtin:maze for --env maze and builtin:tiny for any other environment."""
     env: str = "maze"
     """Environment to train on: maze, countdown, sql, calculator, skyrl:<id> (a skyrl-gym
     environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
@@ -204,6 +205,10 @@ class Config:
         if self.ray_address and not self.replay.sign:
             raise ValueError("--replay.no-sign with --ray-address: frames between nodes are always signed with the "
                              "run's key (drop --replay.no-sign)")
+        if 0 < self.learner.gpus < 1 and self.learners > 1:
+            raise ValueError(f"--learner.gpus {self.learner.gpus:g} with --learners {self.learners}: NCCL needs a GPU "
+                             "of its own for each rank, and Ray may put two ranks' fractions on one; use "
+                             "--learner.gpus 1 (a fraction suits a single rank sharing its GPU with actors)")
         if self.learner.groups_per_step % self.learners:
             raise ValueError(
                 f"--learner.groups-per-step ({self.learner.groups_per_step}) must be a multiple of "
@@ -287,10 +292,10 @@ class Config:
 
 RESUME_SAFE = ("actors", "steps", "max_minutes", "eval_every", "ray_address", "resume", "checkpoint_every",
                "keep_checkpoints", "actor.restarts", "actor.spread", "actor.threads", "learner.restarts",
-               "learner.threads", "replay.restarts", "replay.port", "replay.host")
-"""What flags given with --resume may change: how many actors, budgets, placement, restarts and
-threads. Anything else (the model, the algorithm, the batch, the environment) would make the
-rest of the run another experiment."""
+               "learner.threads", "replay.restarts", "replay.port", "replay.host", "actor.gpus", "learner.gpus")
+"""What flags given with --resume may change: how many actors, budgets, placement (the GPUs each
+part asks for too), restarts and threads. Anything else (the model, the algorithm, the batch, the
+environment) would make the rest of the run another experiment."""
 
 
 def resumed_config(argv: list[str]) -> Config:

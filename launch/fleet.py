@@ -8,7 +8,8 @@ before it generates. The driver does this itself rather than through Ray's `max_
 that every death is seen and counted once, including one during the constructor (Ray would
 restart that silently). Past `--actor.restarts` deaths of one actor the run stops with a
 message. An actor that raises (an adapter it cannot apply, an environment module that does not
-import) is not restarted: its error stops the run, since a restart would raise it again.
+import, a GPU it asked for and cannot use) is not restarted: its error stops the run, since a
+restart would raise it again (`PartFailed` for one whose constructor raised).
 
 Counters survive a restart: an actor's counters start from zero in its new process, so the
 driver adds what the dead process had reported last (what it did after its last report is not
@@ -54,6 +55,8 @@ class Fleet:
             try:
                 ray.get(ref)
             except RayActorError as exc:
+                if exc.actor_init_failed:  # its constructor raised: a restart would raise again
+                    raise PartFailed(f"actor-{i} could not start: {init_error(exc)}") from None
                 if self.restarts[i] >= self.max_restarts:
                     raise RuntimeError(f"actor-{i} died after {self.restarts[i]} restart(s), the most "
                                        f"--actor.restarts {self.max_restarts} allows: {first_line(exc)}") from None
@@ -98,6 +101,17 @@ class Fleet:
         for a in self.actors:
             a.stop.remote()
         ray.get(self.runs, timeout=timeout)
+
+
+class PartFailed(RuntimeError):
+    """A part's constructor raised (a GPU it cannot use, a model it cannot load): the run stops."""
+
+
+def init_error(exc: BaseException) -> str:
+    """The error a part's constructor raised, from Ray's report of the actor's death: its last line
+    ("RuntimeError: this part asked for ..."), without Ray's traceback."""
+    lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
+    return lines[-1][:1000] if lines else type(exc).__name__
 
 
 def first_line(exc: BaseException) -> str:

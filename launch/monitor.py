@@ -27,7 +27,7 @@ class Evaluator:
         self.make_env = lambda: make_env(cfg.env, **kwargs)
         env = self.make_env()
         self.tasks = env.eval_tasks(env.eval_seed if seed is None else seed, episodes or cfg.eval_episodes)
-        self.engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device,
+        self.engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.engine_device,
                                   **cfg.actor.engine_options())
         self.chat = Chat(load_tokenizer(model_path))
 

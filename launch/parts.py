@@ -1,9 +1,19 @@
 """Each part as a plain object built from the root config, ready for Ray or one process.
 
 Ray is only the placement layer: `launch/async.py` wraps these classes with
-`ray.remote`; tests and debugging construct them directly. Each class owns its
-threads and sockets and releases them in `close()`. `resolve_policy` gives the
-model directory every part loads.
+`ray.remote` and the options below (`*_options`: what each part asks Ray for);
+tests and debugging construct them directly. Each class owns its threads and
+sockets and releases them in `close()`. `resolve_policy` gives the model
+directory every part loads.
+
+Devices: an actor asks Ray for `--actor.gpus` GPUs, a learner rank for
+`--learner.gpus` (in its placement bundle), replay for none. Each part sees only
+its own: Ray sets CUDA_VISIBLE_DEVICES for a part with GPUs (its GPU is then
+cuda:0, whatever its rank), and a part without is given an empty one
+(`claim_devices`), since Ray 2.47+ leaves it unset and such a part would see
+every GPU of its node and put its work on cuda:0, beside another part's. The
+evaluator runs the policy where the actors do: in the driver on the CPU, as a
+part with an actor's resources (`EvalPart`) when the actors have GPUs.
 """
 
 from __future__ import annotations
@@ -16,8 +26,10 @@ from launch.config import Config
 
 
 def resolve_policy(cfg: Config) -> str:
-    """The model `--model` names, as a path or id `from_pretrained` accepts; the maze warm start
-    (`builtin:maze`) is built first if it is not cached yet."""
+    """The directory of the model `--model` names, which every part loads (a Hub id's snapshot in
+    the Hugging Face cache; policy.load.resolve_model); the maze warm start (`builtin:maze`) is
+    built first if it is not cached yet. ModelNotFound (a ValueError) says what to do when there
+    is none."""
     if cfg.model == "builtin:maze":
         from launch.warmstart import ensure_warmstart
 
@@ -25,6 +37,57 @@ def resolve_policy(cfg: Config) -> str:
     from policy import resolve_model
 
     return resolve_model(cfg.model)
+
+
+def learner_gpus(cfg: Config) -> float:
+    """GPUs of one learner rank: --learner.gpus, or 1 with --learner.device cuda."""
+    return cfg.learner.gpus if cfg.learner.gpus > 0 else (1.0 if cfg.learner.device == "cuda" else 0.0)
+
+
+def replay_options(group) -> dict:
+    """Ray options of the replay service: 1 CPU in bundle 0 of the placement group."""
+    return {"num_cpus": 1, "num_gpus": 0, "max_concurrency": 2, **cluster.in_bundle(group, 0)}
+
+
+def learner_options(cfg: Config, group, rank: int) -> dict:
+    """Ray options of learner rank `rank`: its bundle of the group `cluster.placement` made
+    with `learner_gpus(cfg)`, and those GPUs (a part gets GPUs only when it asks for them)."""
+    return {"num_cpus": 1, "num_gpus": learner_gpus(cfg), "max_concurrency": 2, **cluster.in_bundle(group, 1 + rank)}
+
+
+def actor_options(cfg: Config) -> dict:
+    """Ray options of an actor, and of the evaluator when it runs as a part (`EvalPart`)."""
+    return {"num_cpus": 1, "num_gpus": cfg.actor.num_gpus, "max_concurrency": 2,
+            "scheduling_strategy": "SPREAD" if cfg.actor.spread else "DEFAULT"}
+
+
+def gpu_demand(cfg: Config) -> list[tuple[str, int, float]]:
+    """(what, processes, GPUs each) the run asks Ray for, for `cluster.gpu_shortfall`."""
+    evaluator = [("evaluator", 1, cfg.actor.num_gpus)] if cfg.actor.num_gpus > 0 else []
+    return [("actors", cfg.actors, cfg.actor.num_gpus), *evaluator, ("learner ranks", cfg.learners, learner_gpus(cfg))]
+
+
+def claim_devices(gpus: float, flag: str) -> None:
+    """In a Ray part, before anything touches CUDA: see only the devices Ray gave this part (none
+    for `gpus` 0); RuntimeError, saying why, for a part that asked for GPUs it cannot use. Outside
+    Ray (a part built in this process) the caller's devices are left as they are."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+    if gpus <= 0:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return
+    import torch
+
+    ids = ", ".join(str(i) for i in ray.get_gpu_ids())
+    if not ids or not torch.cuda.is_available():
+        build = "a CPU build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+        raise RuntimeError(
+            f"this part asked for {flag} {gpus:g} and Ray gave it GPU {ids or 'none'} on {cluster.node_address()}, "
+            f"but torch sees no CUDA device there ({build}, torch {torch.__version__}; CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Install a CUDA build of torch on that node and check "
+            f"its driver (nvidia-smi), or run the part on the CPU with {flag} 0")
 
 
 def _threads(n: int) -> None:
@@ -44,6 +107,8 @@ class ReplayPart:
         import dataclasses
 
         from replay.server import ReplayServer
+
+        claim_devices(0, "")
 
         buffer = cfg.replay.make_buffer(cfg.learner.groups_per_step, cfg.staleness_bound, cfg.learners,
                                         cfg.replay_log_dir)
@@ -76,6 +141,9 @@ class LearnerPart:
     every rank joins it (`setup`)."""
 
     def __init__(self, cfg: Config, model_path: str, rank: int, replay_endpoint: str, key: bytes | None) -> None:
+        claim_devices(learner_gpus(cfg), "--learner.gpus")
+        if learner_gpus(cfg) > 0:
+            os.environ["LOCAL_RANK"] = "0"  # the rank sees its own GPU alone, as cuda:0 (learner/trainer.py)
         _threads(cfg.learner.threads)
         self.cfg, self.model_path, self.rank, self.replay_endpoint, self.key = cfg, model_path, rank, replay_endpoint, key
         self.learner = None
@@ -139,11 +207,12 @@ class ActorPart:
         from replay.client import ZmqReplayClient
         from replay.weights import WeightSubscriber
 
+        claim_devices(cfg.actor.num_gpus, "--actor.gpus")
         _threads(cfg.actor.threads)
         name = f"actor-{index}"
         replay = ZmqReplayClient(replay_endpoint, actor=name, key=key, arena_bytes=cfg.replay.arena_mb << 20,
                                  host=cluster.host_key())
-        engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.device,
+        engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.engine_device,
                              seed=cfg.seed * 1000 + index, **cfg.actor.engine_options())
         kwargs = cfg.env_kwargs()
         self.actor = Actor(cfg.actor, name, engine, Chat(load_tokenizer(model_path)),
@@ -165,3 +234,75 @@ class ActorPart:
 
     def where(self) -> dict:
         return cluster.where()
+
+
+class EvalPart:
+    """The evaluator (launch/monitor.py) as a part, with an actor's resources: where the actors run
+    the policy on GPUs, so does the evaluation, not on the driver's cuda:0. Adapters arrive as
+    safetensors bytes."""
+
+    def __init__(self, cfg: Config, model_path: str) -> None:
+        from launch.monitor import Evaluator
+
+        claim_devices(cfg.actor.num_gpus, "--actor.gpus")
+        _threads(cfg.actor.threads)
+        self.evaluator = Evaluator(cfg, model_path)
+
+    def load(self, version: int, blob: bytes) -> None:
+        from safetensors.torch import load
+
+        self.evaluator.load(version, load(blob))
+
+    def version(self) -> int:
+        return self.evaluator.version
+
+    def evaluate(self) -> dict[str, float]:
+        return self.evaluator.evaluate()
+
+    def close(self) -> None:
+        self.evaluator.close()
+
+
+class RemoteEvaluator:
+    """The driver's handle on an `EvalPart`, with `Evaluator`'s methods."""
+
+    def __init__(self, cfg: Config, model_path: str) -> None:
+        import ray
+
+        self.part = ray.remote(EvalPart).options(**actor_options(cfg)).remote(cfg, model_path)
+
+    @property
+    def version(self) -> int:
+        import ray
+
+        return ray.get(self.part.version.remote())
+
+    def load(self, version: int, tensors: dict) -> None:
+        import ray
+        from safetensors.torch import save
+
+        ray.get(self.part.load.remote(version, save({k: v.contiguous() for k, v in tensors.items()})))
+
+    def evaluate(self) -> dict[str, float]:
+        import ray
+
+        return ray.get(self.part.evaluate.remote())
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.part.close.remote(), timeout=60)
+        except ray.exceptions.RayError:  # it failed already; the run reports why
+            pass
+        ray.kill(self.part)
+
+
+def make_evaluator(cfg: Config, model_path: str):
+    """The run's evaluator: in this (the driver's) process on the CPU, as an `EvalPart` when the
+    actors have GPUs."""
+    if cfg.actor.num_gpus > 0:
+        return RemoteEvaluator(cfg, model_path)
+    from launch.monitor import Evaluator
+
+    return Evaluator(cfg, model_path)

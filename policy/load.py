@@ -1,16 +1,18 @@
 """Loading a policy: built-in tiny model or any Hugging Face causal LM.
 
-`--model` takes a local path, a Hugging Face id, or `builtin:tiny` (the
-randomly initialised tiny model, built into the cache on first use) /
-`builtin:maze` (the tiny model after the supervised maze warm start; the
-launcher builds it into the cache with launch/warmstart.py, since training it
-takes the actors' and the learner's code). Nothing is downloaded for the
-built-ins; policy/cache.py has the cache.
+`--model` takes a local path, a Hugging Face Hub id (resolved once, by the
+driver, to its snapshot directory in the Hugging Face cache: `resolve_model`),
+or `builtin:tiny` (the randomly initialised tiny model, built into the cache on
+first use) / `builtin:maze` (the tiny model after the supervised maze warm
+start; the launcher builds it into the cache with launch/warmstart.py, since
+training it takes the actors' and the learner's code). Nothing is downloaded
+for the built-ins; policy/cache.py has the cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from policy.cache import build_once, cache_dir, is_built
 
@@ -21,8 +23,20 @@ that an old cache entry is never taken for the new one."""
 BUILTIN = tuple(BUILTIN_DIRS)
 
 
+MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+"""What is fetched of a Hub repository: config, tokenizer, chat template and safetensors weights
+(not the .bin / .pth / GGUF copies many repositories also hold)."""
+
+
+class ModelNotFound(ValueError):
+    """`--model` names no model this machine can load; the message says what to do."""
+
+
 def resolve_model(name: str) -> str:
-    """Turn `--model` into something `from_pretrained` accepts, building `builtin:tiny` if needed."""
+    """Turn `--model` into a local directory `from_pretrained` loads without the network: a
+    built-in (built on first use), a local checkpoint directory, or a Hub id resolved once to its
+    snapshot in the Hugging Face cache (downloaded there unless HF_HUB_OFFLINE is set).
+    ModelNotFound, saying what to do, when there is none."""
     if name == "builtin:tiny":
         from policy.tiny import save_tiny
 
@@ -36,7 +50,75 @@ def resolve_model(name: str) -> str:
         return str(path)
     if name.startswith("builtin:"):
         raise ValueError(f"unknown built-in model {name!r}; choose one of {BUILTIN}")
-    return name
+    path = Path(name).expanduser()
+    if path.exists() or not _hub_id(name):
+        return _model_dir(name, path)
+    return _hub_snapshot(name)
+
+
+def _hub_id(name: str) -> bool:
+    """Whether `name` reads as a Hub repository id ("org/name" or "name"), not as a path."""
+    import re
+
+    return (re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not name.startswith(".")
+            and ".." not in name and not name.endswith("."))
+
+
+def _model_dir(name: str, path: Path) -> str:
+    if not path.is_dir():
+        raise ModelNotFound(f"--model {name}: no such directory. Pass a Hugging Face checkpoint directory "
+                            "(with config.json) or a Hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+    if not (path / "config.json").is_file():
+        raise ModelNotFound(f"--model {name}: {path.resolve()} is not a Hugging Face model directory (no "
+                            "config.json in it). Pass the directory that holds config.json and the weights")
+    return str(path.resolve())  # every part, on every node, reads the same absolute path
+
+
+def _hub_snapshot(repo: str, cache: str | None = None, revision: str | None = None) -> str:
+    """The directory of `repo`'s snapshot in the Hugging Face cache (`cache`, default the user's),
+    fetched first when the Hub can be reached; ModelNotFound saying what to do otherwise."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, IncompleteSnapshotError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    elsewhere = (f"download it on a machine with network (hf download {repo}, or huggingface-cli download "
+                 f"{repo}) and pass its directory as --model, or copy that machine's Hugging Face cache here")
+    try:
+        found = snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=MODEL_FILES)
+    except GatedRepoError:
+        raise ModelNotFound(f"--model {repo}: the Hub repository is gated; accept its terms on huggingface.co "
+                            "and log in (hf auth login) or set HF_TOKEN") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise ModelNotFound(f"--model {repo}: the Hub at {constants.ENDPOINT} has no such model (or it is "
+                            "private: log in with hf auth login or set HF_TOKEN). Check the id, or pass a "
+                            "local checkpoint directory") from None
+    except IncompleteSnapshotError as exc:
+        raise ModelNotFound(f"--model {repo}: its copy in the Hugging Face cache is incomplete and the Hub "
+                            f"cannot be reached to finish it ({str(exc).splitlines()[0]}); {elsewhere}") from None
+    except LocalEntryNotFoundError as exc:
+        if constants.HF_HUB_OFFLINE:
+            raise ModelNotFound(f"--model {repo}: not in the Hugging Face cache ({cache or constants.HF_HUB_CACHE}) "
+                                f"and HF_HUB_OFFLINE is set, so it cannot be downloaded: {elsewhere}; or unset "
+                                "HF_HUB_OFFLINE to download it") from None
+        why = exc.__cause__ or exc
+        raise ModelNotFound(f"--model {repo}: the Hub at {constants.ENDPOINT} could not be reached "
+                            f"({type(why).__name__}: {str(why).splitlines()[0][:200]}) and it is not in the "
+                            f"Hugging Face cache; check the network (HF_ENDPOINT, proxies), or {elsewhere}") from None
+    path = Path(found)
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise ModelNotFound(f"--model {repo}: its snapshot {path} has no config.json or no .safetensors weights "
+                            "(Tandem loads safetensors only); convert the checkpoint and pass its directory")
+    return str(path)
+
+
+def hub_snapshot_of(path: str | Path) -> tuple[str, str, str] | None:
+    """(repo id, revision, cache directory) when `path` is a snapshot in a Hugging Face cache
+    (<cache>/models--org--name/snapshots/<revision>), else None: a node that lacks the snapshot
+    fetches that revision into the same cache path (launch/cluster.py)."""
+    path = Path(path)
+    if path.parent.name != "snapshots" or not path.parent.parent.name.startswith("models--"):
+        return None
+    return path.parent.parent.name[len("models--"):].replace("--", "/"), path.name, str(path.parents[2])
 
 
 def load_tokenizer(path: str):
@@ -46,6 +128,9 @@ def load_tokenizer(path: str):
 
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
+    """The whole causal LM at `path` in `dtype` ("float32", "bfloat16") on `device`: what actors,
+    engines and tests load. The learner does not: learner/model.py loads it once, on rank 0's CPU,
+    and keeps only each rank's FSDP shard on its device."""
     import torch
     from transformers import AutoModelForCausalLM
 

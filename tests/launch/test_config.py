@@ -78,7 +78,7 @@ def test_actors_on_gpus_the_cluster_lacks_fail_at_start(tmp_path):
                           "--model", "builtin:tiny", "--logdir", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
-    assert "gives each of the 2 actors a GPU of its own; the Ray cluster has 0" in run.stderr
+    assert "the parts ask for 3 GPUs (actors 2 × 1 + evaluator 1 × 1); the Ray cluster has 0" in run.stderr
 
 
 def test_help_lists_the_headline_flags():
