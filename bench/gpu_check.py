@@ -81,45 +81,19 @@ def model_config(shape: dict):
                bos_token_id=last, eos_token_id=last, pad_token_id=last)
 
 
-def _group(vocab: int, rows: int, tokens: int, seed: int):
-    """One GRPO group of random tokens: a quarter prompt, then model tokens; rewards 1, 0, 1, …"""
-    import uuid
-
-    import numpy as np
-
-    from replay.wire import Group, Trajectory
-
-    rng = np.random.default_rng(seed)
-    mask = (np.arange(tokens) >= tokens // 4).astype(np.uint8)
-    trajs = [Trajectory(tokens=rng.integers(0, vocab - 1, tokens).astype(np.int32),
-                        logprobs=np.where(mask, -3 * rng.random(tokens), 0).astype(np.float32), mask=mask,
-                        versions=np.zeros(tokens, np.int32), reward=float((i + 1) % 2), turns=1,
-                        finish_reason="terminated") for i in range(rows)]
-    return Group(uuid.uuid4().hex, f"gpu-check-{seed}", trajs, actor="gpu-check")
-
-
 def learner_steps(config, device: str, rows: int, tokens: int, warmup: int, steps: int,
                   checkpointing: bool = False, name: str = "random") -> dict:
     """`warmup` + `steps` steps of a world-1 `Learner` on a random model of `config` (bf16 mixed
     precision): mean step seconds, peak and setup GPU memory (GiB; None on the CPU), last loss."""
-    import socket
-
     import torch
 
+    from bench.model_step import synthetic_group, world1_learner
     from learner.config import LearnerConfig
-    from learner.trainer import Learner
-    from replay.buffer import ReplayBuffer
-    from replay.client import LocalReplay
 
     cuda = device == "cuda"
     cfg = LearnerConfig(groups_per_step=1, micro_batch=rows, device=device, dtype="bfloat16",
                         activation_checkpointing=checkpointing, lr_schedule="constant")
-    replay = LocalReplay(ReplayBuffer(groups_per_step=1, max_staleness=1_000_000), actor="gpu-check")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    torch.manual_seed(0)
-    learner = Learner(cfg, f"random:{name}", 0, 1, url, replay, base_config=config)
+    learner, replay = world1_learner(cfg, config, f"random:{name}")
     try:
         learner.setup()
         if cuda:
@@ -128,7 +102,7 @@ def learner_steps(config, device: str, rows: int, tokens: int, warmup: int, step
             torch.cuda.reset_peak_memory_stats()
         times, metrics = [], {}
         for k in range(warmup + steps):
-            replay.push(_group(config.vocab_size, rows, tokens, k))
+            replay.push(synthetic_group(config.vocab_size, rows, tokens, k, actor="gpu-check"))
             t0 = time.perf_counter()
             metrics = learner.step()
             if cuda:
@@ -147,7 +121,9 @@ def learner_steps(config, device: str, rows: int, tokens: int, warmup: int, step
 
 
 def parity(device: str, prompts: int) -> dict:
-    """bench/parity.py's comparison with the torch engine on `device`, in bf16 and in fp32."""
+    """bench/parity.py's comparison with the torch engine on `device`, in bf16 and in fp32: the
+    engine's log μ of its own tokens against the learner's scoring of them in the same dtype on
+    the same device (bf16 is the learner's default on CUDA)."""
     import torch
 
     from actors.engine import SamplingParams, make_engine
@@ -165,7 +141,7 @@ def parity(device: str, prompts: int) -> dict:
         torch.manual_seed(0)
         engine = make_engine("torch", model_path, lora, device=device, dtype=dtype)
         try:
-            r = compare(engine, model_path, lora, tensors, prompts_for(chat, prompts), params)
+            r = compare(engine, model_path, lora, tensors, prompts_for(chat, prompts), params, device, dtype)
         finally:
             engine.close()
         short = {"bfloat16": "bf16", "float32": "fp32"}[dtype]

@@ -70,7 +70,9 @@ def model_config(args: argparse.Namespace):
         bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1, pad_token_id=args.vocab - 1)
 
 
-def _group(args: argparse.Namespace, seed: int):
+def synthetic_group(vocab: int, rows: int, tokens: int, seed: int, actor: str = "bench"):
+    """One GRPO group of random tokens: a quarter prompt, then model tokens; rewards 1, 0, 1, …
+    (so that every row trains)."""
     import uuid
 
     import numpy as np
@@ -78,13 +80,32 @@ def _group(args: argparse.Namespace, seed: int):
     from replay.wire import Group, Trajectory
 
     rng = np.random.default_rng(seed)
-    n = args.tokens
-    mask = (np.arange(n) >= n // 4).astype(np.uint8)  # a prompt, then model tokens
-    trajs = [Trajectory(tokens=rng.integers(0, args.vocab - 1, n).astype(np.int32),
-                        logprobs=np.where(mask, -3 * rng.random(n), 0).astype(np.float32), mask=mask,
-                        versions=np.zeros(n, np.int32), reward=float((i + 1) % 2), turns=1,
-                        finish_reason="terminated") for i in range(args.rows)]
-    return Group(uuid.uuid4().hex, f"bench-{seed}", trajs, actor="bench")
+    mask = (np.arange(tokens) >= tokens // 4).astype(np.uint8)  # a prompt, then model tokens
+    trajs = [Trajectory(tokens=rng.integers(0, vocab - 1, tokens).astype(np.int32),
+                        logprobs=np.where(mask, -3 * rng.random(tokens), 0).astype(np.float32), mask=mask,
+                        versions=np.zeros(tokens, np.int32), reward=float((i + 1) % 2), turns=1,
+                        finish_reason="terminated") for i in range(rows)]
+    return Group(uuid.uuid4().hex, f"{actor}-{seed}", trajs, actor=actor)
+
+
+def world1_learner(cfg, base_config, name: str):
+    """A world-1 `Learner` (gloo or NCCL by `cfg.device`) on a randomly initialised model of
+    `base_config`, fed by an in-process replay: (learner, replay), the learner not set up yet.
+    Push a group to the replay before each `learner.step()`."""
+    import socket
+
+    import torch
+
+    from learner.trainer import Learner
+    from replay.buffer import ReplayBuffer
+    from replay.client import LocalReplay
+
+    replay = LocalReplay(ReplayBuffer(groups_per_step=1, max_staleness=1_000_000), actor="bench")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    torch.manual_seed(0)
+    return Learner(cfg, name, 0, 1, url, replay, base_config=base_config), replay
 
 
 def _status_mb(key: str) -> float:
@@ -97,25 +118,14 @@ def _status_mb(key: str) -> float:
 def child(args: argparse.Namespace) -> dict:
     """One variant's steps in this (fresh) process; returns its figures."""
     import resource
-    import socket
-
-    import torch
 
     from learner.config import LearnerConfig
-    from learner.trainer import Learner
-    from replay.buffer import ReplayBuffer
-    from replay.client import LocalReplay
 
     chunk = args.logit_chunk if args.child == "chunked" else 0
     cfg = LearnerConfig(groups_per_step=1, micro_batch=args.rows, micro_batch_tokens=args.micro_batch_tokens,
                         logit_chunk=chunk, threads=args.threads, device="cpu", dtype="float32",
                         activation_checkpointing=args.activation_checkpointing)
-    replay = LocalReplay(ReplayBuffer(groups_per_step=1, max_staleness=1_000_000), actor="bench")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    torch.manual_seed(0)
-    learner = Learner(cfg, "bench:qwen2.5-0.5b-shape", 0, 1, url, replay, base_config=model_config(args))
+    learner, replay = world1_learner(cfg, model_config(args), "bench:qwen2.5-0.5b-shape")
     try:
         learner.setup()
         setup_mb = _status_mb("VmRSS")
@@ -127,7 +137,7 @@ def child(args: argparse.Namespace) -> dict:
             scope = "process"
         times, metrics = [], {}
         for k in range(args.warmup + args.steps):
-            replay.push(_group(args, k))
+            replay.push(synthetic_group(args.vocab, args.rows, args.tokens, k))
             t0 = time.perf_counter()
             metrics = learner.step()
             if k >= args.warmup:

@@ -33,28 +33,33 @@ def random_adapter(model_path: str, lora, seed: int = 0, scale: float = 0.2) -> 
 
 
 def learner_logprobs(model_path: str, lora, tensors: dict, sequences: list[list[int]],
-                     temperature: float) -> list[list[float]]:
+                     temperature: float, device: str = "cpu", dtype: str = "float32") -> list[list[float]]:
     """log π of every token of each sequence (entry t: of token t given the ones before; 0 at t = 0),
-    scored as the learner scores: the policy with the adapter, `token_logprobs`, float32."""
+    scored as the learner scores: the policy with the adapter, computing in `dtype` on `device`
+    (as the learner's mixed precision does: every weight, the adapter's too, cast to it), log-probs
+    from the last hidden state in float32 (learner/logprobs.py)."""
     import torch
     from peft import set_peft_model_state_dict
 
-    from learner.losses import token_logprobs
+    from learner.logprobs import model_terms
     from policy.load import load_model, with_lora
 
     model = with_lora(load_model(model_path), lora).eval()
     set_peft_model_state_dict(model, tensors)
+    model.to(device=device, dtype=getattr(torch, dtype))
     out = []
     with torch.no_grad():
         for seq in sequences:
-            ids = torch.tensor([seq])
-            out.append(token_logprobs(model(input_ids=ids).logits, ids, temperature)[0].tolist())
+            ids = torch.tensor([seq], device=device)
+            logp, _ = model_terms(model, ids, torch.ones_like(ids), temperature)
+            out.append(logp[0].tolist())
     return out
 
 
-def compare(engine, model_path: str, lora, tensors: dict, prompts: list[list[int]], params) -> dict:
+def compare(engine, model_path: str, lora, tensors: dict, prompts: list[list[int]], params,
+            device: str = "cpu", dtype: str = "float32") -> dict:
     """Sample `prompts` with `engine` (adapter `tensors` applied as version 1) and compare its
-    log μ with the learner's log π of the same tokens."""
+    log μ with the learner's log π of the same tokens (scored in `dtype` on `device`)."""
     import torch
 
     from learner.losses import mismatch_kl
@@ -63,7 +68,7 @@ def compare(engine, model_path: str, lora, tensors: dict, prompts: list[list[int
         engine.load_adapter(1, tensors)
     outs = engine.generate(prompts, params)
     scored = learner_logprobs(model_path, lora, tensors, [p + o.tokens for p, o in zip(prompts, outs)],
-                              params.temperature)
+                              params.temperature, device, dtype)
     mu = torch.tensor([lp for o in outs for lp in o.logprobs], dtype=torch.float64)
     pi = torch.tensor([s[len(p) + j] for p, o, s in zip(prompts, outs, scored) for j in range(len(o.tokens))],
                       dtype=torch.float64)

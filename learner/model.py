@@ -35,6 +35,7 @@ grad. FSDP2 re-gathers a layer's parameters when its forward is replayed in the 
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 
 import torch
@@ -101,7 +102,8 @@ def build_policy(source, lora: LoraSpec, mesh, device: torch.device, dtype: torc
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
     pretrained = not isinstance(source, PretrainedConfig)
-    config = AutoConfig.from_pretrained(source) if pretrained else source
+    config = AutoConfig.from_pretrained(source) if pretrained else copy.deepcopy(source)
+    config.use_cache = False  # training keeps no KV cache (and checkpointed layers refuse one)
     # Drawn first, from the caller's RNG state, as a plain `with_lora(load_model(...))` would draw.
     full = _rank0_state_dict(source, lora, dtype, critic) if pretrained and dist.get_rank() == 0 else {}
     with _parameters_on_meta():

@@ -254,6 +254,19 @@ def history(directory: str | os.PathLike) -> dict:
             "queued": [gid for gid in state.stored if gid not in held], "complete": segments[:1] in ([], [1])}
 
 
+def groups(directory: str | os.PathLike):
+    """Every group stored in the log's remaining segments, decoded and validated, in order; read
+    without changing a byte, like `history` (a run's trajectories, for an audit or a test)."""
+    from replay.wire import decode_group
+
+    path = Path(directory)
+    segments = sorted(int(p.stem) for p in path.glob("*.seg"))
+    for seg in segments:
+        for rec, raw in _records(path / f"{seg:08d}.seg", last=seg == segments[-1], repair=False):
+            if rec["k"] == "g":
+                yield decode_group(bytes(raw))
+
+
 class ReplayLog:
     def __init__(self, directory: str | os.PathLike, fsync: str = "interval", fsync_interval_s: float = 1.0,
                  segment_bytes: int = 256 << 20, direct: bool = True, prune: bool = True) -> None:
