@@ -38,7 +38,6 @@ def main(cfg: Config) -> int:
     from launch.parts import (ActorPart, LearnerPart, ReplayPart, actor_options, gpu_demand, learner_gpus,
                               learner_options, replay_options, resolve_policy)
     from launch.supervise import GroupFailed, LearnerGroup, ReplayService
-    from policy import Chat, load_tokenizer
     from ray.exceptions import RayActorError
 
     from transformers.utils import logging as hf_logging
@@ -48,7 +47,7 @@ def main(cfg: Config) -> int:
     try:  # before the run directory and Ray: a model that is not there, or whose chat template
         # cannot be rendered turn by turn, is the user's to fix (ModelNotFound is a ValueError)
         model_path = resolve_policy(cfg)
-        Chat(load_tokenizer(model_path))
+        cfg.chat(model_path)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -152,6 +152,9 @@ class Config:
     "builtin:tiny" (untrained), a local Hugging Face checkpoint directory, or a Hub id (fetched once
     by the driver into the Hugging Face cache, or read from it when HF_HUB_OFFLINE is set). "auto"
     is builtin:maze for --env maze and builtin:tiny for any other environment."""
+    chat_template_kwargs: str = ""
+    """A JSON object passed to the model's chat template at every rendering, e.g.
+    '{"enable_thinking": false}' to turn Qwen3's thinking off (empty: the template's defaults)."""
     env: str = "maze"
     """Environment to train on: maze, countdown, sql, calculator, skyrl:<id> (a skyrl-gym
     environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
@@ -182,6 +185,7 @@ class Config:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
         if self.max_staleness < 0:
             raise ValueError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
+        self._check_template_kwargs()
         from learner.losses import ALGOS, CORRECTIONS
 
         if self.algo not in ALGOS:
@@ -281,6 +285,31 @@ class Config:
         import json
 
         return _build(cls, json.loads(text))
+
+    def _check_template_kwargs(self) -> None:
+        import json
+
+        try:
+            value = json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--chat-template-kwargs must be a JSON object such as '{{\"enable_thinking\": false}}', "
+                             f"got {self.chat_template_kwargs!r} ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--chat-template-kwargs must be a JSON object (name: value), got {self.chat_template_kwargs!r}")
+
+    @property
+    def template_kwargs(self) -> dict:
+        """--chat-template-kwargs as a dict (checked in __post_init__)."""
+        import json
+
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
+
+    def chat(self, model_path: str):
+        """The run's chat rendering of `model_path`'s tokenizer (policy.Chat: ValueError for a template
+        that cannot be rendered turn by turn)."""
+        from policy import Chat, load_tokenizer
+
+        return Chat(load_tokenizer(model_path), self.template_kwargs)
 
     def env_kwargs(self) -> dict:
         """Constructor arguments of --env from its section (--maze.*, --sql.*, ...)."""

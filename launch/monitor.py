@@ -20,7 +20,6 @@ class Evaluator:
     def __init__(self, cfg: Config, model_path: str, seed: int | None = None, episodes: int | None = None) -> None:
         from actors.engine import make_engine
         from envs import make_env
-        from policy import Chat, load_tokenizer
 
         self.cfg = cfg
         kwargs = cfg.env_kwargs()
@@ -29,7 +28,7 @@ class Evaluator:
         self.tasks = env.eval_tasks(env.eval_seed if seed is None else seed, episodes or cfg.eval_episodes)
         self.engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.engine_device,
                                   **cfg.actor.engine_options())
-        self.chat = Chat(load_tokenizer(model_path))
+        self.chat = cfg.chat(model_path)
 
     @property
     def version(self) -> int:

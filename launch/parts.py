@@ -203,7 +203,6 @@ class ActorPart:
         from actors.actor import Actor
         from actors.engine import make_engine
         from envs import make_env
-        from policy import Chat, load_tokenizer
         from replay.client import ZmqReplayClient
         from replay.weights import WeightSubscriber
 
@@ -215,7 +214,7 @@ class ActorPart:
         engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.engine_device,
                              seed=cfg.seed * 1000 + index, **cfg.actor.engine_options())
         kwargs = cfg.env_kwargs()
-        self.actor = Actor(cfg.actor, name, engine, Chat(load_tokenizer(model_path)),
+        self.actor = Actor(cfg.actor, name, engine, cfg.chat(model_path),
                            lambda: make_env(cfg.env, **kwargs), replay,
                            WeightSubscriber(weight_endpoints, key=key), seed=cfg.seed * 1000 + index)
         self._stop = threading.Event()

@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # a crash in any process a test starts shows its stacks
 
 import pytest  # noqa: E402
 

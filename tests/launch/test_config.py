@@ -24,10 +24,19 @@ from replay.server import ReplayConfig
     ({"learners": 3}, "multiple of --learners"),
     ({"actor": ActorConfig(engine="vllm", max_lora_rank=16)}, "--actor.max-lora-rank \\(16\\) is below"),
     ({"ray_address": "10.0.0.1:6379", "replay": ReplayConfig(sign=False)}, "frames between nodes are always signed"),
+    ({"chat_template_kwargs": "{enable_thinking: false}"}, "--chat-template-kwargs must be a JSON object such as"),
+    ({"chat_template_kwargs": "[1, 2]"}, "--chat-template-kwargs must be a JSON object \\(name: value\\)"),
 ])
 def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Config(**kwargs)
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model):
+    cfg = Config(chat_template_kwargs='{"enable_thinking": false}')
+    assert cfg.template_kwargs == {"enable_thinking": False}
+    assert cfg.chat(tiny_model).template_kwargs == {"enable_thinking": False}
+    assert Config().template_kwargs == {}
 
 
 def test_parts_listen_on_loopback_unless_the_run_joins_a_cluster_or_is_told_otherwise():

@@ -53,11 +53,13 @@ def turns_of(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)))
 
 
-def test_a_qwen3_model_by_hub_id_trains_on_the_tokens_its_template_renders(tmp_path):
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+def test_a_qwen3_model_by_hub_id_trains_on_the_tokens_its_template_renders(tmp_path, thinking):
     from policy import Chat
 
     tokenizer = qwen3_model(tmp_path / "model")
-    chat = Chat(tokenizer)
+    options = [] if thinking else ["--chat-template-kwargs", '{"enable_thinking": false}']
+    chat = Chat(tokenizer, {} if thinking else {"enable_thinking": False})
     eot, eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert chat.stop_ids == (eot, eos)
     cache = tmp_path / "hub"
@@ -68,7 +70,7 @@ def test_a_qwen3_model_by_hub_id_trains_on_the_tokens_its_template_renders(tmp_p
     run = subprocess.run(
         [sys.executable, "-m", "launch.async", "--model", REPO, "--env", "countdown", "--actors", "1",
          "--learners", "2", "--steps", "2", "--eval-episodes", "4", "--learner.groups-per-step", "2",
-         "--actor.group-size", "4", "--actor.max-new-tokens", "12", "--replay.keep-log", "--logdir", str(logdir)],
+         "--actor.group-size", "4", "--actor.max-new-tokens", "12", "--replay.keep-log", "--logdir", str(logdir), *options],
         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "done: 2 steps" in run.stdout
@@ -79,13 +81,14 @@ def test_a_qwen3_model_by_hub_id_trains_on_the_tokens_its_template_renders(tmp_p
 
     trajectories = [t for g in groups(logdir / "replay-log") for t in g.trajectories]
     assert trajectories and not [t.finish_reason for t in trajectories if t.finish_reason == "env_error"]
-    header = tokenizer.encode("<|im_start|>assistant\n")  # the generation prompt
+    # the generation prompt: Qwen3's template writes an empty thinking block into it when thinking is off
+    header = tokenizer.encode("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
     after_turn = tokenizer.encode("\n<|im_start|>user")  # what the template writes after <|im_end|>
     cut = 0
     for t in trajectories:
         tokens = t.tokens.tolist()
         spans = turns_of(t.mask)
-        assert spans and tokens[:spans[0][0]][-len(header):] == header
+        assert spans and all(tokens[:start][-len(header):] == header for start, _ in spans)
         for start, end in spans:
             turn = tokens[start:end]
             assert all(x not in chat.stop_ids for x in turn[:-1])  # the engine stopped at the first stop token
