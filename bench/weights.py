@@ -3,15 +3,18 @@
 The learner publishes an adapter of an 8B model's shape (LoRA r = 32 on every linear layer of a
 Qwen3-8B-sized decoder: 36 layers, hidden 4,096, MLP 12,288, 32 query and 8 KV heads of 128;
 PEFT state-dict names, random values) through the weight channel, signed with a run key, to
-several subscriber processes. Time: from `publish` until every subscriber has the whole adapter,
-its digests checked and its tensors decoded. The baseline sends the same bytes, in frames of the
-same size, through a bare ZeroMQ PUB/SUB pair to the same number of processes, timed until every
-subscriber has received them all. A second baseline does the same and hashes every byte once
-at each subscriber with the channel's own hash (BLAKE3, keyed when signed): the least any channel
-that verifies what it delivers with that hash must do.
-The three paths run interleaved, `repeats` times; the table shows medians. Ends with one JSON
-line: ratio (bare time / channel time), ratio_floor (hashed bare time / channel time), sizes
-and times.
+several subscriber processes on this host. Time: from `publish` until every subscriber has the
+whole adapter, checked, its tensors decoded. The channel runs twice: as it runs (subscribers
+beside the publisher read each version from shared memory, replay/shm_weights.py), and with
+that path off (`shm=False`: the socket, as subscribers on other hosts get it, every chunk's
+digest checked). The baseline sends the same bytes, in frames of the same size, through a bare
+ZeroMQ PUB/SUB pair to the same number of processes, timed until every subscriber has received
+them all. A second baseline does the same and hashes every byte once at each subscriber with
+the channel's own hash (BLAKE3, keyed when signed): the least any channel that verifies what
+crosses a socket with that hash must do.
+The four paths run interleaved, `repeats` times; the table shows medians. Ends with one JSON
+line: ratio (bare time / channel time), ratio_socket (bare time / the channel's socket path),
+ratio_floor (hashed bare time / the socket path), sizes and times.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def _channel_sub(endpoints, key, expect, versions, ready, done) -> None:
             continue
         t = time.perf_counter()
         numel = sum(v.numel() for v in adapter.tensors.values())
-        done.put((adapter.version, t, (len(adapter.tensors), numel) == expect))
+        done.put((adapter.version, t, (len(adapter.tensors), numel) == expect, sub.local))
         seen += 1
         del adapter
     sub.close()
@@ -112,10 +115,12 @@ def _bare_sub(endpoint, size, versions, hashed, key, ready, done) -> None:
     sock.close(0)
 
 
-def _collect(done, n: int, version: int, t0: float) -> float:
+def _collect(done, n: int, version: int, t0: float, local: list | None = None) -> float:
     results = [done.get(timeout=300) for _ in range(n)]
-    assert all(v == version and ok for v, _, ok in results), f"a subscriber got the wrong thing: {results}"
-    return max(t for _, t, _ in results) - t0
+    if local is not None:  # how many subscribers read it from shared memory
+        local.append(sum(r[3] for r in results))
+    assert all(r[0] == version and r[2] for r in results), f"a subscriber got the wrong thing: {results}"
+    return max(r[1] for r in results) - t0
 
 
 def main(args: Args) -> dict:
@@ -137,18 +142,19 @@ def main(args: Args) -> dict:
     versions = args.repeats + 1  # a warm-up round first on every path
     key = os.urandom(32) if args.signed else None
 
-    publisher = WeightPublisher(key=key, dtype=args.dtype, chunk_bytes=chunk)
+    publishers = {"channel": WeightPublisher(key=key, dtype=args.dtype, chunk_bytes=chunk),
+                  "socket": WeightPublisher(key=key, dtype=args.dtype, chunk_bytes=chunk, shm=False)}
     bare = zmq.Context.instance().socket(zmq.PUB)
     bare.setsockopt(zmq.SNDHWM, 1000)
     bare.bind("tcp://127.0.0.1:*")
     hashed = zmq.Context.instance().socket(zmq.PUB)
     hashed.setsockopt(zmq.SNDHWM, 1000)
     hashed.bind("tcp://127.0.0.1:*")
-    paths = ("channel", "bare", "hashed")
+    paths = ("channel", "socket", "bare", "hashed")
     ready, done = {p: ctx.Queue() for p in paths}, {p: ctx.Queue() for p in paths}
-    procs = [ctx.Process(target=_channel_sub, args=(publisher.endpoints, key, (len(shapes), numel), versions,
-                                                     ready["channel"], done["channel"]))
-             for _ in range(args.subscribers)]
+    procs = [ctx.Process(target=_channel_sub, args=(pub.endpoints, key, (len(shapes), numel), versions,
+                                                     ready[name], done[name]))
+             for name, pub in publishers.items() for _ in range(args.subscribers)]
     for name, sock in (("bare", bare), ("hashed", hashed)):
         procs += [ctx.Process(target=_bare_sub, args=(sock.getsockopt_string(zmq.LAST_ENDPOINT), size, versions,
                                                        name == "hashed", key, ready[name], done[name]))
@@ -167,16 +173,18 @@ def main(args: Args) -> dict:
                 sock.send(blob[off:off + chunk], copy=False)
             return _collect(done["bare" if sock is bare else "hashed"], args.subscribers, version, t0)
 
-        def send_channel(version: int) -> tuple[float, float]:
+        def send_channel(name: str, version: int) -> tuple[float, float]:
             t0 = time.perf_counter()
-            publisher.publish(Adapter(version, "Qwen/Qwen3-8B", {"r": args.rank, "lora_alpha": 2 * args.rank},
-                                      tensors))
+            publishers[name].publish(Adapter(version, "Qwen/Qwen3-8B", {"r": args.rank, "lora_alpha": 2 * args.rank},
+                                             tensors))
             published = time.perf_counter() - t0
-            return _collect(done["channel"], args.subscribers, version, t0), published
+            return _collect(done[name], args.subscribers, version, t0, local[name]), published
 
-        times = {"bare": [], "hashed": [], "channel": [], "publish": []}
+        times = {"bare": [], "hashed": [], "channel": [], "publish": [], "socket": [], "publish_socket": []}
+        local = {"channel": [], "socket": []}
         for version in range(versions):
-            runs = (send_bare(bare, version), send_bare(hashed, version), *send_channel(version))
+            runs = (send_bare(bare, version), send_bare(hashed, version), *send_channel("channel", version),
+                    *send_channel("socket", version))
             if version:  # the first round is the warm-up
                 for name, t in zip(times, runs):
                     times[name].append(t)
@@ -185,7 +193,8 @@ def main(args: Args) -> dict:
             p.join(60)
             if p.is_alive():
                 p.terminate()
-        publisher.close()
+        for pub in publishers.values():
+            pub.close()
         bare.close(0)
         hashed.close(0)
 
@@ -194,16 +203,21 @@ def main(args: Args) -> dict:
           f"{len(shapes)} tensors, {numel / 1e6:.1f}M parameters, {size / 1e6:.1f} MB in {args.dtype}, "
           f"{-(-size // chunk)} chunks of {args.chunk_mib} MiB; {args.subscribers} subscriber processes; "
           f"{'signed' if args.signed else 'unsigned'}; {os.cpu_count()} CPU cores; median of {args.repeats} runs")
-    print(f"{'path':<44}{'seconds':>9}{'GB/s out':>10}   runs (s)")
+    print(f"{'path':<50}{'seconds':>9}{'GB/s out':>10}   runs (s)")
     for label, name in (("bare ZeroMQ PUB/SUB", "bare"), ("bare + BLAKE3 of every byte at each subscriber", "hashed"),
-                        ("weight channel (publish to all decoded)", "channel"), ("  of which publish()", "publish")):
-        rate = size * args.subscribers / med[name] / 1e9 if name != "publish" else float("nan")
-        print(f"{label:<44}{med[name]:>9.3f}{rate:>10.2f}   " + " ".join(f"{t:.3f}" for t in times[name]))
+                        ("weight channel (publish to all decoded)", "channel"), ("  of which publish()", "publish"),
+                        ("weight channel, socket path (shm=False)", "socket"),
+                        ("  of which publish()", "publish_socket")):
+        rate = size * args.subscribers / med[name] / 1e9 if not name.startswith("publish") else float("nan")
+        print(f"{label:<50}{med[name]:>9.3f}{rate:>10.2f}   " + " ".join(f"{t:.3f}" for t in times[name]))
     result = {"subscribers": args.subscribers, "dtype": args.dtype, "adapter_bytes": size, "tensors": len(shapes),
               "chunk_mib": args.chunk_mib, "signed": args.signed, "channel_s": round(med["channel"], 3),
-              "publish_s": round(med["publish"], 3), "bare_s": round(med["bare"], 3),
-              "bare_blake3_s": round(med["hashed"], 3), "ratio": round(med["bare"] / med["channel"], 3),
-              "ratio_floor": round(med["hashed"] / med["channel"], 3)}
+              "publish_s": round(med["publish"], 3), "socket_s": round(med["socket"], 3),
+              "bare_s": round(med["bare"], 3), "bare_blake3_s": round(med["hashed"], 3),
+              "ratio": round(med["bare"] / med["channel"], 3), "ratio_socket": round(med["bare"] / med["socket"], 3),
+              "ratio_floor": round(med["hashed"] / med["socket"], 3),
+              "subscribers_reading_shm": local["channel"][-1],
+              "subscribers_reading_shm_socket_path": local["socket"][-1]}
     print(json.dumps(result))
     return result
 

@@ -130,7 +130,8 @@ class Learner:
         if self.rank == 0:
             from replay.weights import WeightPublisher
 
-            self.publisher = WeightPublisher(self.host, *self.weight_ports, key=self.key, advertise=self.advertise)
+            self.publisher = WeightPublisher(self.host, *self.weight_ports, key=self.key, advertise=self.advertise,
+                                             dtype="bfloat16" if self.dtype == torch.bfloat16 else None)
         if resume:
             self._resume()
         self._publish()  # the current adapter (version 0: the identity), so late joiners can ask for it
@@ -399,25 +400,30 @@ class Learner:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def adapter_tensors(self) -> dict:
-        """A snapshot of the full policy adapter, name -> CPU tensor, on every rank (all ranks must
-        call: gathering is collective). Copies: on one rank `full_tensor()` is the parameter
-        itself, and a snapshot must not move."""
+    def adapter_tensors(self, dtype: torch.dtype | None = None) -> dict:
+        """A snapshot of the full policy adapter, name -> CPU tensor (cast to `dtype` if given), on
+        every rank (all ranks must call: gathering is collective). Copies: on one rank
+        `full_tensor()` is the parameter itself, and a snapshot must not move."""
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.model, adapter_name=POLICY)  # never the critic
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to("cpu", dtype, copy=True)
                 for k, v in state.items()}
 
-    def adapter(self):
+    def adapter(self, dtype: torch.dtype | None = None):
         """A snapshot of the current policy version as the weight channel carries it (a
-        `replay.weights.Adapter`); every rank must call, as for `adapter_tensors`."""
+        `replay.weights.Adapter`, in `dtype` if given); every rank must call, as for
+        `adapter_tensors`."""
         from replay.weights import Adapter
 
-        return Adapter(self.version, self.model_path, self.cfg.lora.to_dict(), self.adapter_tensors())
+        return Adapter(self.version, self.model_path, self.cfg.lora.to_dict(), self.adapter_tensors(dtype))
 
     def _publish(self) -> int:
-        adapter = self.adapter()
+        import torch
+
+        # A bf16 learner publishes bf16 (half the bytes), cast in the snapshot's one copy, which
+        # the weight channel then sends from its own memory.
+        adapter = self.adapter(torch.bfloat16 if self.dtype == torch.bfloat16 else None)
         if self.publisher is None:
             return 0
         size = self.publisher.publish(adapter)

@@ -83,10 +83,11 @@ def host_id() -> str | None:
         return None
 
 
-def _sweep(directory: Path) -> None:
-    """Remove arenas left by processes of ours that died without closing them."""
-    for path in directory.glob("tandem-arena-*"):
-        match = NAME.match(path.name)
+def sweep(directory: Path, name: re.Pattern = NAME) -> None:
+    """Remove files of `name`'s pattern (arenas by default; its first group is the owner's pid)
+    left by processes of ours that died without removing them."""
+    for path in directory.glob("tandem-*"):
+        match = name.match(path.name)
         if match is None:
             continue
         try:
@@ -126,7 +127,7 @@ class Arena:
         size = size // PAGE * PAGE
         if size < head_size(size) + PAGE or not folder.is_dir() or not os.access(folder, os.W_OK):
             return None
-        _sweep(folder)
+        sweep(folder)
         path = folder / f"tandem-arena-{os.getpid()}-{secrets.token_hex(8)}"
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -1,12 +1,13 @@
 """An adapter on the wire: safetensors bytes cut into chunks that each fit the frame cap.
 
-The weight channel (replay/weights.py) sends an adapter (format 2) as `count` messages of two
-frames, then one frame that commits it:
+The weight channel (replay/weights.py) sends an adapter (format 3) as `count` chunk messages,
+then one frame that commits it:
 
-    [header, data]   header = pack("adapter_chunk.v2", version, index, count, total, mac,
-                                   base_model and config on chunk 0), signed with the run's key
-                     data   = bytes [index·chunk, (index+1)·chunk) of the safetensors blob
-    [commit]         commit = pack("adapter_commit.v2", version, count, total, digest), signed
+    [header, data...]  header = pack("adapter_chunk.v3", version, index, count, total, frames, mac,
+                                     base_model and config on chunk 0), signed with the run's key
+                       data   = bytes [index·chunk, (index+1)·chunk) of the safetensors blob, in
+                                `frames` frames (one for each piece of the blob the chunk spans)
+    [commit]           commit = pack("adapter_commit.v3", version, count, total, digest), signed
 
 and the commit again every `announce_s` (it is also the announcement of the newest version).
 
@@ -25,15 +26,18 @@ Decisions, and why:
   it hashes. The subscriber checks each chunk as it arrives and delivers the adapter only once
   the commit has come and its count, length and digest match what arrived: chunks of two
   different adapters that claim one version (two learners) do not add up to one digest.
-- **Formats never mix.** Format 1 (SHA-256 digests, "adapter_chunk" / "adapter_head") is not read:
-  a signed frame of it is a `BrokenAdapter` that names the format, so that a learner and actors
-  of different Tandem versions stop with that message rather than drop each other's frames.
-- **No copies.** The publisher writes the safetensors blob itself, casting to the wire dtype in
-  the same pass, into one buffer that ZeroMQ sends without copying. The subscriber keeps the
-  chunk frames as ZeroMQ received them, and the decoded tensors are views of them: only a tensor
-  that straddles two chunks is copied. So the format is read and written here (it is a small,
-  documented format: 8-byte header length, JSON header, contiguous little-endian data), and a
-  test pins that `safetensors` reads what we write and we read what it writes.
+- **Formats never mix.** Format 1 (SHA-256 digests, "adapter_chunk" / "adapter_head") and format 2
+  (one data frame a chunk, ".v2") are not read: a signed frame of them is a `BrokenAdapter` that
+  names the format, so that a learner and actors of different Tandem versions stop with that
+  message rather than drop each other's frames.
+- **No copies.** The blob is never joined: it is the header, then each tensor's own memory where
+  the tensor is already in the wire dtype, contiguous and on the CPU (the learner hands over a
+  snapshot), else a converted copy of it. ZeroMQ sends each piece a chunk spans as a frame,
+  without copying. The subscriber keeps the frames as ZeroMQ received them, and the decoded
+  tensors are views of them: only a tensor that straddles two chunks is copied. So the format
+  is read and written here (it is a small, documented format: 8-byte header length, JSON
+  header, contiguous little-endian data), and a test pins that `safetensors` reads what we
+  write and we read what it writes.
 - **What a failure means.** A frame that is unsigned, wrongly signed or not our schema is a
   stranger's or garbage: `WireError`, rejected and counted. A frame whose header is signed and
   well formed comes from our publisher (without a key: any frame of our schema); if its adapter
@@ -51,9 +55,9 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import blake3
 
@@ -62,9 +66,10 @@ from replay.wire import WireError, pack, unpack
 
 CHUNK_BYTES = 16 << 20
 """Data bytes per chunk (16 MiB): well under the frame cap, small enough to pipeline."""
-CHUNK, COMMIT = "adapter_chunk.v2", "adapter_commit.v2"
-"""Message types of format 2 (BLAKE3); format 1's are refused by name (_OLD)."""
-_OLD = ("adapter_chunk", "adapter_head")
+CHUNK, COMMIT, SHM = "adapter_chunk.v3", "adapter_commit.v3", "adapter_shm.v3"
+"""Message types of format 3 (SHM: a version in shared memory, replay/shm_weights.py); older
+formats' are refused by name (_OLD)."""
+_OLD = {"adapter_chunk": 1, "adapter_head": 1, "adapter_chunk.v2": 2, "adapter_commit.v2": 2}
 _DIGEST = 32
 _KEY_CONTEXT = "tandem adapter chunk v1"
 _MAX_HEADER = 100 << 20  # as the safetensors library: a JSON header past this is not an adapter
@@ -89,18 +94,24 @@ def _dtypes() -> dict[str, Any]:
 
 def to_safetensors(tensors: dict, dtype=None) -> memoryview:
     """`tensors` as safetensors bytes, in one new buffer (floating tensors cast to `dtype`, a torch
-    dtype, in the same copy). Names are sorted by element size, then name, as the library does,
-    so that every tensor's data is aligned to its element size."""
-    blob, ready = write_safetensors(tensors, dtype)
-    ready(len(blob))
-    return blob
+    dtype). Names are sorted by element size, then name, as the library does, so that every
+    tensor's data is aligned to its element size."""
+    blob = write_safetensors(tensors, dtype)
+    out = bytearray(blob.size)
+    pos = 0
+    for view in blob.views(0, blob.size):
+        out[pos:pos + len(view)] = view
+        pos += len(view)
+    return memoryview(out)
 
 
-def write_safetensors(tensors: dict, dtype=None) -> tuple[memoryview, Callable[[int], None]]:
-    """`to_safetensors`, written in the background: (the buffer, `ready`), where `ready(n)` waits
-    until its first n bytes are written (the tensors are copied in the order they lie in it), so
-    that the first chunks can leave while the last are written. ValueError at once for tensors
-    that cannot travel."""
+def write_safetensors(tensors: dict, dtype=None) -> "_Pieces":
+    """`to_safetensors` without joining: the header, then each tensor's data as its own piece. A
+    tensor already in its wire dtype, contiguous and on the CPU is its own memory (no copy: the
+    caller must not change it while the bytes are in use); any other is converted (cast, made
+    contiguous, moved to the CPU) on background threads in the order the pieces lie, so that the
+    first chunks can leave while the last are converted (`views` waits for what it needs).
+    ValueError at once for tensors that cannot travel."""
     import torch
 
     assert sys.byteorder == "little", "safetensors data is little-endian"
@@ -121,52 +132,65 @@ def write_safetensors(tensors: dict, dtype=None) -> tuple[memoryview, Callable[[
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    start = 8 + len(head)
-    buf = torch.empty(start + offset, dtype=torch.uint8)  # not zeroed: every byte is written below
-    buf[:start] = torch.frombuffer(bytearray(len(head).to_bytes(8, "little") + head), dtype=torch.uint8)
+    pieces, sizes, pool = [len(head).to_bytes(8, "little") + head], [8 + len(head)], None
 
-    def fill(item) -> None:  # torch's copy releases the GIL: the tensors copy on several threads
-        _, name, t, target = item
-        lo, hi = header[name]["data_offsets"]
-        if hi > lo:
-            buf[start + lo:start + hi].view(target).view(t.shape).copy_(t)
+    def raw(t) -> memoryview:
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
-    pool = ThreadPoolExecutor(_COPY_THREADS)  # runs its jobs in the order submitted
-    jobs = [(start + header[item[1]]["data_offsets"][0], pool.submit(fill, item)) for item in items]
-    pool.shutdown(wait=False)  # its threads end when the last job is done
+    def convert(t, target) -> memoryview:  # torch's copy releases the GIL: several run at once
+        return raw(t.to(device="cpu", dtype=target).contiguous())
 
-    def ready(n: int) -> None:
-        for lo, job in jobs:
-            if lo >= n:
-                break
-            job.result()
-
-    return memoryview(buf.numpy()), ready
+    for _, name, t, target in items:
+        if t.numel() == 0:
+            continue
+        if t.dtype == target and t.device.type == "cpu" and t.is_contiguous():
+            pieces.append(raw(t))
+        else:
+            pool = pool or ThreadPoolExecutor(_COPY_THREADS)  # runs its jobs in the order submitted
+            pieces.append(pool.submit(convert, t, target))
+        sizes.append(t.numel() * target.itemsize)
+    if pool is not None:
+        pool.shutdown(wait=False)  # its threads end when the last job is done
+    return _Pieces(pieces, sizes)
 
 
 class _Pieces:
-    """Byte ranges of a blob held as consecutive buffers, read without joining them."""
+    """Byte ranges of a blob held as consecutive buffers (or futures of buffers, with their
+    `sizes`), read without joining them."""
 
-    def __init__(self, pieces: list) -> None:
+    def __init__(self, pieces: list, sizes: list[int] | None = None) -> None:
         self.pieces = pieces
         self.starts = [0]
-        for p in pieces:
-            self.starts.append(self.starts[-1] + len(p))
+        for n in sizes if sizes is not None else map(len, pieces):
+            self.starts.append(self.starts[-1] + n)
         self.size = self.starts[-1]
+
+    def piece(self, i: int) -> memoryview:
+        """Piece `i`, once it is written."""
+        p = self.pieces[i]
+        return memoryview(p.result() if isinstance(p, Future) else p)
+
+    def views(self, lo: int, hi: int) -> list[memoryview]:
+        """Bytes [lo, hi) as views of the pieces they lie in, in order."""
+        out = []
+        while lo < hi:
+            i = bisect.bisect_right(self.starts, lo) - 1
+            n = min(hi, self.starts[i + 1]) - lo
+            out.append(self.piece(i)[lo - self.starts[i]:lo - self.starts[i] + n])
+            lo += n
+        return out
 
     def read(self, lo: int, hi: int, align: int = 1):
         """Bytes [lo, hi): a view of one piece when the range lies in it, its offset there is a
         multiple of `align` and the piece is writable (torch has no read-only tensors), else a copy."""
-        i = bisect.bisect_right(self.starts, lo) - 1
-        off = lo - self.starts[i]
-        if hi <= self.starts[i + 1] and off % align == 0 and not memoryview(self.pieces[i]).readonly:
-            return self.pieces[i][off:off + hi - lo]
-        out, pos = bytearray(hi - lo), lo
-        while pos < hi:
-            i = bisect.bisect_right(self.starts, pos) - 1
-            n = min(hi, self.starts[i + 1]) - pos
-            out[pos - lo:pos - lo + n] = self.pieces[i][pos - self.starts[i]:pos - self.starts[i] + n]
-            pos += n
+        views = self.views(lo, hi)
+        offset = lo - self.starts[bisect.bisect_right(self.starts, lo) - 1]
+        if len(views) == 1 and offset % align == 0 and not views[0].readonly:
+            return views[0]
+        out, pos = bytearray(hi - lo), 0
+        for view in views:
+            out[pos:pos + len(view)] = view
+            pos += len(view)
         return out
 
 
@@ -225,37 +249,56 @@ def _mac_key(key: bytes | None) -> bytes | None:
 
 
 def _mac(data, key: bytes | None) -> bytes:
-    """Keyed BLAKE3 of `data` under the run key's derived key (plain BLAKE3 without a key). The
-    hash releases the GIL on large buffers, so ZeroMQ and other threads run meanwhile."""
+    """Keyed BLAKE3 of `data` (bytes, or a list of buffers hashed as their concatenation) under the
+    run key's derived key (plain BLAKE3 without a key). The hash releases the GIL on large
+    buffers, so ZeroMQ and other threads run meanwhile."""
     mac_key = _mac_key(key)
-    return (blake3.blake3(data) if mac_key is None else blake3.blake3(data, key=mac_key)).digest()
+    hasher = blake3.blake3() if mac_key is None else blake3.blake3(key=mac_key)
+    for piece in data if isinstance(data, list) else [data]:
+        hasher.update(piece)
+    return hasher.digest()
 
 
 def _digest(macs: list[bytes], key: bytes | None) -> bytes:
     return _mac(b"".join(macs), key)
 
 
-def stream_messages(blob: memoryview, version: int, base_model: str, config: dict, key: bytes | None,
-                    chunk_bytes: int = CHUNK_BYTES, ready: Callable[[int], None] | None = None) -> Iterator[list]:
-    """The messages that carry `blob`, made as they are taken: [signed header, data view] for
-    each chunk of `chunk_bytes` (hashed when its turn comes, so the first leaves before the last
-    is hashed; with `ready` from `write_safetensors`, once its bytes are written), then [signed
-    commit]."""
-    count, macs = -(-len(blob) // chunk_bytes), []
+def stream_messages(blob, version: int, base_model: str, config: dict, key: bytes | None,
+                    chunk_bytes: int = CHUNK_BYTES) -> Iterator[list]:
+    """The messages that carry `blob` (a buffer, or `write_safetensors`' pieces), made as they are
+    taken: [signed header, data views...] for each chunk of `chunk_bytes` (hashed when its turn
+    comes, so the first leaves before the last is hashed or even converted), then [signed commit].
+    A chunk's data is the views of the pieces it spans: one frame each, sent without copying."""
+    blob = blob if isinstance(blob, _Pieces) else _Pieces([blob])
+    count, macs = -(-blob.size // chunk_bytes), []
     for i in range(count):
-        if ready is not None:
-            ready((i + 1) * chunk_bytes)
-        piece = blob[i * chunk_bytes:(i + 1) * chunk_bytes]
-        macs.append(_mac(piece, key))
-        yield [pack(CHUNK, key=key, version=version, index=i, count=count, total=len(blob), mac=macs[-1],
-                    **({"base_model": base_model, "config": config} if i == 0 else {})), piece]
-    yield [commit(Commit(version, count, len(blob), _digest(macs, key)), key)]
+        views = blob.views(i * chunk_bytes, min((i + 1) * chunk_bytes, blob.size))
+        macs.append(_mac(views, key))
+        yield [pack(CHUNK, key=key, version=version, index=i, count=count, total=blob.size, mac=macs[-1],
+                    frames=len(views), **({"base_model": base_model, "config": config} if i == 0 else {})),
+               *views]
+    yield [commit(Commit(version, count, blob.size, _digest(macs, key)), key)]
 
 
-def chunk_messages(blob: memoryview, version: int, base_model: str, config: dict, key: bytes | None,
+def chunk_messages(blob, version: int, base_model: str, config: dict, key: bytes | None,
                    chunk_bytes: int = CHUNK_BYTES) -> list[list]:
     """All of `stream_messages`: the chunk messages, then the commit."""
     return list(stream_messages(blob, version, base_model, config, key, chunk_bytes))
+
+
+def split_messages(parts: list, key: bytes | None) -> list[list]:
+    """The frames of several messages sent as one (a "latest" reply: chunks, then the commit) cut
+    back into messages by each chunk header's frame count. WireError if a header is not ours."""
+    messages, i = [], 0
+    while i < len(parts) - 1:
+        version, msg = _read(parts[i], CHUNK, key)
+        frames = msg.get("frames")
+        if type(frames) is not int or not 1 <= frames <= len(parts) - 2 - i:
+            raise BrokenAdapter(version, f"a chunk header claims {frames!r} data frames, the reply holds "
+                                         f"{len(parts) - 2 - i} after it")
+        messages.append(parts[i:i + 1 + frames])
+        i += 1 + frames
+    return messages + [parts[-1:]]
 
 
 @dataclass
@@ -285,16 +328,17 @@ def _buffer(part) -> memoryview:
     return part.buffer if hasattr(part, "buffer") else memoryview(part)  # a zmq.Frame, or bytes
 
 
-def _read(frame, msg_type: str, key: bytes | None) -> tuple[int, dict]:
-    """(version, fields) of a signed frame of `msg_type`. WireError for a stranger's or garbage;
-    BrokenAdapter for a signed frame of format 1."""
-    msg = unpack(_buffer(frame).tobytes(), (msg_type, *_OLD), key=key)
+def _read(frame, msg_type: str | tuple[str, ...], key: bytes | None) -> tuple[int, dict]:
+    """(version, fields) of a signed frame of `msg_type` (or one of several). WireError for a
+    stranger's or garbage; BrokenAdapter for a signed frame of an older format."""
+    types = (msg_type,) if isinstance(msg_type, str) else msg_type
+    msg = unpack(_buffer(frame).tobytes(), (*types, *_OLD), key=key)
     version = msg.get("version")
     if type(version) is not int or version < 0:
         raise WireError(f"{msg_type}: no valid version")
     if msg["type"] in _OLD:
-        raise BrokenAdapter(version, f"it came in format 1 ({msg['type']!r}, SHA-256 digests), and this "
-                                     "subscriber reads format 2 (BLAKE3): the learner runs an older Tandem")
+        raise BrokenAdapter(version, f"it came in format {_OLD[msg['type']]} ({msg['type']!r}), and this "
+                                     f"subscriber reads format 3 ({types[0]!r}): the learner runs an older Tandem")
     return version, msg
 
 
@@ -304,9 +348,43 @@ def commit(done: Commit, key: bytes | None) -> bytes:
     return pack(COMMIT, key=key, version=done.version, count=done.count, total=done.total, digest=done.digest)
 
 
+@dataclass
+class ShmNote:
+    """The announcement of a version written to a shared-memory file on the publisher's host."""
+
+    version: int
+    name: str
+    size: int
+    host: str
+    base_model: str
+    config: dict
+
+
+def shm_note(note: ShmNote, key: bytes | None) -> bytes:
+    """The one-frame message that announces `note` (before the version's chunks)."""
+    return pack(SHM, key=key, version=note.version, name=note.name, size=note.size, host=note.host,
+                base_model=note.base_model, config=note.config)
+
+
+def read_news(frame, key: bytes | None) -> Commit | ShmNote:
+    """The commit or shared-memory announcement a frame holds; WireError if it is neither (a
+    stranger's or garbage), BrokenAdapter if it is ours but malformed."""
+    version, msg = _read(frame, (COMMIT, SHM), key)
+    if msg["type"] == COMMIT:
+        return _commit(version, msg)
+    fields = [msg.get(k) for k in ("name", "size", "host", "base_model", "config")]
+    if not (isinstance(fields[0], str) and type(fields[1]) is int and isinstance(fields[2], str)
+            and isinstance(fields[3], str) and isinstance(fields[4], dict)):
+        raise BrokenAdapter(version, "its shared-memory announcement's fields have the wrong type")
+    return ShmNote(version, *fields)
+
+
 def read_commit(frame, key: bytes | None) -> Commit:
     """The commit a frame holds; WireError if it is not a signed, well-formed one."""
-    version, msg = _read(frame, COMMIT, key)
+    return _commit(*_read(frame, COMMIT, key))
+
+
+def _commit(version: int, msg: dict) -> Commit:
     count, total, digest = msg.get("count"), msg.get("total"), msg.get("digest")
     if type(count) is not int or type(total) is not int or count < 1 or total < 0 \
             or not isinstance(digest, bytes) or len(digest) != _DIGEST:
@@ -314,21 +392,25 @@ def read_commit(frame, key: bytes | None) -> Commit:
     return Commit(version, count, total, digest)
 
 
-def read_chunk(parts: list, key: bytes | None) -> tuple[ChunkHead, memoryview]:
-    """(header, data) of one chunk message. WireError if it is not a signed, schema-conforming
-    chunk (a stranger's, or garbage); BrokenAdapter if it is, but its fields are wrong."""
-    if len(parts) != 2:
-        raise WireError(f"adapter chunk: expected 2 frames (header, data), got {len(parts)}")
+def read_chunk(parts: list, key: bytes | None) -> tuple[ChunkHead, list[memoryview]]:
+    """(header, data frames) of one chunk message. WireError if it is not a signed,
+    schema-conforming chunk (a stranger's, or garbage); BrokenAdapter if it is, but its fields
+    are wrong."""
+    if len(parts) < 2:
+        raise WireError(f"adapter chunk: expected a header and data frames, got {len(parts)} frame(s)")
     version, msg = _read(parts[0], CHUNK, key)
-    fields = [msg.get(k) for k in ("index", "count", "total", "mac")]
-    index, count, total, mac = fields
-    if not all(type(x) is int for x in fields[:3]) or not isinstance(mac, bytes) or len(mac) != _DIGEST:
-        raise BrokenAdapter(version, "a chunk header's index, count, total or MAC have the wrong type")
+    fields = [msg.get(k) for k in ("index", "count", "total", "frames", "mac")]
+    index, count, total, frames, mac = fields
+    if not all(type(x) is int for x in fields[:4]) or not isinstance(mac, bytes) or len(mac) != _DIGEST:
+        raise BrokenAdapter(version, "a chunk header's index, count, total, frames or MAC have the wrong type")
     if not 0 <= index < count or total < 0:
         raise BrokenAdapter(version, f"chunk header out of range (index {index}, count {count}, total {total})")
-    data = _buffer(parts[1])
-    if len(data) > wire.MAX_FRAME:
-        raise BrokenAdapter(version, f"chunk {index} holds {len(data)} bytes, over the {wire.MAX_FRAME}-byte "
+    if frames != len(parts) - 1:
+        raise BrokenAdapter(version, f"chunk {index} came with {len(parts) - 1} data frames, its header says {frames}")
+    data = [_buffer(part) for part in parts[1:]]
+    size = sum(len(d) for d in data)
+    if size > wire.MAX_FRAME:
+        raise BrokenAdapter(version, f"chunk {index} holds {size} bytes, over the {wire.MAX_FRAME}-byte "
                                      "frame cap: the publisher's chunk size must be below it")
     head = ChunkHead(version, index, count, total, mac)
     if index == 0:
@@ -366,7 +448,7 @@ class Assembly:
 
     def __init__(self, head: ChunkHead, key: bytes | None) -> None:
         self.version, self.count, self.total, self.key = head.version, head.count, head.total, key
-        self.data: dict[int, memoryview] = {}
+        self.data: dict[int, list[memoryview]] = {}
         self.macs: dict[int, bytes] = {}
         self.first: ChunkHead | None = None
         self.commit: Commit | None = None
@@ -383,7 +465,7 @@ class Assembly:
             raise BrokenAdapter(self.version, "chunks of two different adapters claim this version (their count "
                                               "or length differ): is more than one learner publishing?")
 
-    def add(self, head: ChunkHead, data: memoryview) -> None:
+    def add(self, head: ChunkHead, data: list[memoryview]) -> None:
         """Add a chunk of this version. Chunks come in order on one connection, so a gap means the
         ones between were dropped (a subscriber past its high-water mark, a reconnect, a late join)."""
         assert head.version == self.version
@@ -430,14 +512,14 @@ class Assembly:
             raise BrokenAdapter(self.version, f"chunks {self.missing()} of {self.count} never arrived")
         if self.commit is None:
             raise BrokenAdapter(self.version, "every chunk arrived, but not the commit that follows them")
-        size = sum(len(d) for d in self.data.values())
+        size = sum(len(d) for frames in self.data.values() for d in frames)
         if size != self.total:
             raise BrokenAdapter(self.version, f"the chunks hold {size} bytes, the header says {self.total}")
         if _digest([self.macs[i] for i in range(self.count)], self.key) != self.commit.digest:
             raise BrokenAdapter(self.version, "the chunks' digests do not add up to the adapter's digest "
                                               "in its commit")
         try:
-            tensors = from_safetensors([self.data[i] for i in range(self.count)])
+            tensors = from_safetensors([d for i in range(self.count) for d in self.data[i]])
         except ValueError as exc:
             raise BrokenAdapter(self.version, f"the reassembled bytes are not safetensors ({exc})") from None
         assert self.first is not None

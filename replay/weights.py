@@ -10,6 +10,9 @@ run's key; after the last chunk a signed commit carries the adapter's digest (re
 has the format and why it is shaped so). The publisher hashes each chunk just before sending
 it, so the first leaves while the rest are hashed. With `dtype`, the publisher casts floating
 tensors for the wire (bf16 when the learner trains in bf16); without it, tensors travel as they are.
+Subscribers on the publisher's host read each version from a shared-memory file instead, announced
+before the chunks, and stop taking chunks (replay/shm_weights.py); every message on the PUB socket
+starts with its topic (NEWS or DATA) so that they can.
 
 The publisher binds a PUB socket (every subscriber gets each new version as it is published) and
 a ROUTER socket that answers "latest" requests with the current adapter, all its chunks in one
@@ -50,12 +53,18 @@ from typing import Any, Iterator, Protocol
 import zmq
 
 from replay import wire
-from replay.chunks import (CHUNK_BYTES, Assembly, BrokenAdapter, read_chunk, read_commit, stream_messages,
-                           write_safetensors)
+from replay.arena import host_id
+from replay.chunks import (CHUNK_BYTES, Assembly, BrokenAdapter, ShmNote, read_chunk, read_commit, read_news,
+                           shm_note, split_messages, stream_messages, write_safetensors)
+from replay.shm_weights import ShmWriter, read_shm
 from replay.wire import WireError, advertised, pack, unpack
 
 WIRE_DTYPES = (None, "bfloat16", "float16", "float32")
 """Choices for the publisher's `dtype` (None: as given)."""
+NEWS, DATA = b"tandem.adapter.news", b"tandem.adapter.data"
+"""Topics of the PUB socket (each message's first frame): commits and shared-memory announcements,
+which every subscriber takes; chunks, which a subscriber on the publisher's host stops taking
+once it reads adapters from shared memory."""
 
 
 class AdapterUndeliverable(RuntimeError):
@@ -85,7 +94,14 @@ def encode_adapter(adapter: Adapter, key: bytes | None = None, *, dtype: str | N
 def stream_adapter(adapter: Adapter, key: bytes | None = None, *, dtype: str | None = None,
                    chunk_bytes: int | None = None, max_chunks: int | None = None) -> Iterator[list]:
     """`encode_adapter`'s messages, each chunk hashed when it is taken (the ValueErrors come at
-    once, before the first)."""
+    once, before the first). Tensors already in the wire dtype, contiguous and on the CPU are
+    sent from their own memory: they must not change while the messages are in use."""
+    blob, chunk = _layout(adapter, dtype, chunk_bytes, max_chunks)
+    return stream_messages(blob, adapter.version, adapter.base_model, adapter.config, key, chunk)
+
+
+def _layout(adapter: Adapter, dtype: str | None, chunk_bytes: int | None, max_chunks: int | None):
+    """(the adapter's safetensors pieces, the chunk size), or the ValueErrors of `encode_adapter`."""
     import torch
 
     if dtype not in WIRE_DTYPES:
@@ -93,14 +109,14 @@ def stream_adapter(adapter: Adapter, key: bytes | None = None, *, dtype: str | N
     if not adapter.tensors:
         raise ValueError(f"adapter version {adapter.version} has no tensors: nothing to publish "
                          "(does the LoRA config target any module of the model?)")
-    blob, ready = write_safetensors(adapter.tensors, getattr(torch, dtype) if dtype else None)
+    blob = write_safetensors(adapter.tensors, getattr(torch, dtype) if dtype else None)
     chunk = chunk_bytes or min(CHUNK_BYTES, wire.MAX_FRAME)
     if max_chunks:
-        chunk = min(wire.MAX_FRAME, max(chunk, -(-len(blob) // max_chunks)))
-        if -(-len(blob) // chunk) > max_chunks:
-            raise ValueError(f"adapter version {adapter.version} ({len(blob)} bytes) needs more than {max_chunks} "
+        chunk = min(wire.MAX_FRAME, max(chunk, -(-blob.size // max_chunks)))
+        if -(-blob.size // chunk) > max_chunks:
+            raise ValueError(f"adapter version {adapter.version} ({blob.size} bytes) needs more than {max_chunks} "
                              f"chunks of the {wire.MAX_FRAME}-byte frame cap: raise the publisher's hwm")
-    return stream_messages(blob, adapter.version, adapter.base_model, adapter.config, key, chunk, ready)
+    return blob, chunk
 
 
 def decode_adapter(messages: list[list], key: bytes | None = None) -> Adapter:
@@ -166,7 +182,7 @@ class WeightPublisher:
 
     def __init__(self, host: str = "127.0.0.1", pub_port: int = 0, req_port: int = 0,
                  key: bytes | None = None, *, dtype: str | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 hwm: int = 64, announce_s: float = 1.0, advertise: str | None = None) -> None:
+                 hwm: int = 64, announce_s: float = 1.0, advertise: str | None = None, shm: bool = True) -> None:
         if dtype not in WIRE_DTYPES:
             raise ValueError(f"wire dtype {dtype!r}: choose one of {WIRE_DTYPES}")
         if not 0 < chunk_bytes <= wire.MAX_FRAME:
@@ -188,29 +204,35 @@ class WeightPublisher:
         self._router.bind(f"tcp://{host}:{req_port or '*'}")
         self.endpoints = (advertised(self._pub.getsockopt_string(zmq.LAST_ENDPOINT), advertise),
                           advertised(self._router.getsockopt_string(zmq.LAST_ENDPOINT), advertise))
+        self._shm = ShmWriter() if shm else None
         self._thread = threading.Thread(target=self._serve, name="weights-latest", daemon=True)
         self._thread.start()
 
     def publish(self, adapter: Adapter) -> int:
         """Send `adapter` to every subscriber and keep it for `latest`; returns its size in bytes
         (the safetensors blob). ValueError for an adapter without tensors. Each chunk is hashed
-        just before it is sent (ZeroMQ's I/O thread sends the last one meanwhile). The buffers are
-        sent without copying and never changed afterwards, so the caller may reuse its tensors."""
-        stream = stream_adapter(adapter, self.key, dtype=self.dtype, chunk_bytes=self.chunk_bytes,
-                                max_chunks=self.hwm // 2)  # two adapters fit a subscriber's queue
+        just before it is sent (ZeroMQ's I/O thread sends the last one meanwhile). Nothing is
+        copied: tensors already in the wire dtype, contiguous and on the CPU are sent, and kept
+        for `latest`, from their own memory, so the caller hands them over and must never change
+        them afterwards (the learner publishes a snapshot); others travel as converted copies."""
+        blob, chunk = _layout(adapter, self.dtype, self.chunk_bytes, self.hwm // 2)  # two adapters fit a queue
         sent = []
         with self._lock:
-            for parts in stream:
-                if len(parts) == 2:
-                    self._pub.send_multipart(parts, copy=False)
+            name = self._shm.write(blob) if self._shm is not None else None
+            if name is not None:  # subscribers on this host take it from there, before any chunk
+                note = ShmNote(adapter.version, name, blob.size, self._shm.host, adapter.base_model, adapter.config)
+                self._pub.send_multipart([NEWS, shm_note(note, self.key)])
+            for parts in stream_messages(blob, adapter.version, adapter.base_model, adapter.config, self.key, chunk):
+                if len(parts) > 1:
+                    self._pub.send_multipart([DATA, *parts], copy=False)
                     sent.append(parts)
                     continue
                 # The commit: after every chunk, on the same pipes, so a subscriber that lacks
                 # chunks of the committed version has lost them (and asks `latest`: set it first).
                 self._latest = [frame for chunk in sent for frame in chunk] + parts
                 self._head = parts[0]
-                self._pub.send(self._head)
-        return sum(len(chunk[1]) for chunk in sent)
+                self._pub.send_multipart([NEWS, self._head])
+        return blob.size
 
     def _serve(self) -> None:
         announced = time.monotonic()
@@ -219,7 +241,7 @@ class WeightPublisher:
                 announced = time.monotonic()
                 with self._lock:
                     if self._head is not None:  # the commit again: for subscribers that lost it, or every chunk
-                        self._pub.send(self._head)
+                        self._pub.send_multipart([NEWS, self._head])
             if not self._router.poll(100):
                 continue
             frames = self._router.recv_multipart()
@@ -238,6 +260,8 @@ class WeightPublisher:
         self._thread.join(5)
         self._router.close(0)
         self._pub.close(0)
+        if self._shm is not None:
+            self._shm.close()
 
 
 class WeightSubscriber:
@@ -261,8 +285,12 @@ class WeightSubscriber:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, hwm)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.SUBSCRIBE, NEWS)
+        self._sub.setsockopt(zmq.SUBSCRIBE, DATA)
         self._sub.connect(endpoints[0])
+        self._host = host_id()
+        self.local = False
+        """Whether adapters come from shared memory (this subscriber is on the publisher's host)."""
         self._endpoints = (endpoints[0], endpoints[1])
         self._asm: Assembly | None = None
         self.version = -1
@@ -279,36 +307,48 @@ class WeightSubscriber:
         return adapter
 
     def _receive(self) -> Adapter | None:
-        """Drain the PUB socket into the newest version's assembly; that adapter once whole.
-        BrokenAdapter if the newest version cannot be rebuilt from what arrived."""
-        chunks, commits = [], {}
+        """Drain the PUB socket into the newest version's assembly, hashing each chunk as it is
+        taken (while ZeroMQ receives the next ones, and before it leaves the cache); that adapter
+        once whole. Chunks of a version older than one already seen are never hashed. BrokenAdapter
+        if the newest version cannot be rebuilt from what arrived."""
+        commits, notes, broken, asm = {}, [], None, self._asm
         while True:
             try:
-                parts = self._sub.recv_multipart(zmq.NOBLOCK, copy=False)
+                topic, *parts = self._sub.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             try:
-                if len(parts) == 1:
-                    done = read_commit(parts[0], self.key)
-                    commits[done.version] = done
-                else:
-                    chunks.append(read_chunk(parts, self.key))
+                if topic.bytes == NEWS and len(parts) == 1:
+                    news = read_news(parts[0], self.key)
+                    if isinstance(news, ShmNote):
+                        notes.append(news)
+                    else:
+                        commits[news.version] = news
+                    continue
+                if topic.bytes != DATA:
+                    raise WireError(f"a message on topic {topic.bytes[:40]!r} with {len(parts)} more frames")
+                head, data = read_chunk(parts, self.key)
+                if head.version <= max(self.version, asm.version - 1 if asm else -1, broken.version if broken else -1):
+                    continue  # delivered, superseded, or already broken: never hashed
+                if asm is None or asm.version < head.version:
+                    asm = self._asm = Assembly(head, self.key)
+                asm.add(head, data)
+                asm.check()
             except BrokenAdapter as exc:
-                chunks.append((exc, None))
+                broken = exc if broken is None or exc.version >= broken.version else broken
             except WireError:
                 self.rejected += 1
-        asm = self._asm
-        newest = max([c[0].version for c in chunks] + list(commits) + [-1, asm.version if asm else -1])
+        newest = max([*commits, -1, asm.version if asm else -1, broken.version if broken else -1])
+        if notes and notes[-1].version > self.version and notes[-1].version >= newest:
+            adapter = self._from_shm(notes[-1])
+            if adapter is not None:
+                return adapter
         if newest <= self.version:
             return None
-        for head, data in chunks:
-            if head.version != newest:
-                continue  # superseded: never hashed
-            if isinstance(head, BrokenAdapter):
-                raise head
-            if asm is None or asm.version < newest:
-                asm = self._asm = Assembly(head, self.key)
-            asm.add(head, data)
+        if self.local and (asm is None or asm.version < newest):
+            return self.latest(self.timeout)  # not in shared memory (no room there?): over the socket
+        if broken is not None and broken.version == newest:
+            raise broken
         done = commits.get(newest)
         if asm is not None and asm.version == newest:
             asm.check()
@@ -324,6 +364,22 @@ class WeightSubscriber:
             lost = "its commit" if asm.complete else lost
             raise BrokenAdapter(newest, f"{lost} did not arrive within {self.stall_s:g} s of the last chunk")
         return None
+
+    def _from_shm(self, note: ShmNote) -> Adapter | None:
+        """The adapter `note` announces, from shared memory; None if this subscriber is not on
+        the publisher's host (or the file is gone: then the chunks, or `latest`, bring it)."""
+        if note.host != self._host:
+            return None
+        try:
+            tensors = read_shm(note.name, note.size)
+        except OSError:
+            return None
+        except ValueError as exc:
+            raise BrokenAdapter(note.version, f"its shared-memory file cannot be read ({exc})") from None
+        if not self.local:  # the chunks of later versions need not cross the socket to this host
+            self.local = True
+            self._sub.setsockopt(zmq.UNSUBSCRIBE, DATA)
+        return self._deliver(Adapter(note.version, note.base_model, note.config, tensors))
 
     def poll(self) -> Adapter | None:
         """The newest adapter published since the last call, or None. Never blocks, except to ask
@@ -363,10 +419,7 @@ class WeightSubscriber:
             if len(parts) == 1:
                 unpack(parts[0].bytes, ("none",), key=self.key)
                 return "none", None
-            if len(parts) % 2 == 0:  # chunks of two frames, then the commit
-                raise WireError(f"a 'latest' reply of {len(parts)} frames")
-            messages = [parts[i:i + 2] for i in range(0, len(parts) - 1, 2)] + [parts[-1:]]
-            return "ok", decode_adapter(messages, self.key)
+            return "ok", decode_adapter(split_messages(parts, self.key), self.key)
         except BrokenAdapter as exc:
             return "broken", exc
         except WireError as exc:

@@ -141,7 +141,16 @@ def _bf16_rank(rank, url, model_path, endpoint, algo, out):
         after = learner.adapter_tensors()
         state = [s for p in learner.policy_params + learner.critic_params for s in learner.optimizer.state[p].values()
                  if s.ndim > 0]
-        out.put((rank, dict(dtypes=dtypes, logits_dtype=logits.dtype, gap_max=float(gap.max()),
+        wire = None
+        if rank == 0:  # what the actors get: the new version, as a subscriber asks for it
+            from replay.weights import WeightSubscriber
+
+            sub = WeightSubscriber(learner.publisher.endpoints, key=learner.key)
+            got = sub.latest(timeout=20)
+            sub.close()
+            wire = dict(version=got.version, dtypes={v.dtype for v in got.tensors.values()},
+                        equal=all(torch.equal(got.tensors[k], after[k].bfloat16()) for k in after))
+        out.put((rank, dict(wire=wire, dtypes=dtypes, logits_dtype=logits.dtype, gap_max=float(gap.max()),
                             gap_mean=float(gap.mean()), loss=metrics["loss"],
                             adapter_dtypes={v.dtype for v in after.values()},
                             changed=[k for k in after if not torch.equal(after[k], before[k])],
@@ -174,9 +183,11 @@ def test_bf16_mixed_precision_keeps_lora_and_adamw_in_fp32(tiny_model, algo):
         assert 0 < r["gap_mean"] < 0.01 and r["gap_max"] < 0.05, (r["gap_mean"], r["gap_max"])
         assert np.isfinite(r["loss"])
         assert r["changed"] and all("lora_B" in k or "lora_A" in k for k in r["changed"])
-        assert r["adapter_dtypes"] == {torch.float32}  # what is published
+        assert r["adapter_dtypes"] == {torch.float32}  # the learner's snapshot
         assert r["states"] > 0 and r["state_dtypes"] == {torch.float32}  # AdamW's moments
     assert results[0]["changed"] == results[1]["changed"] and results[0]["loss"] == results[1]["loss"]
+    # on the wire, bf16: half the bytes, the snapshot rounded once
+    assert results[0]["wire"] == dict(version=1, dtypes={torch.bfloat16}, equal=True)
 
 
 def _checkpointing_rank(rank, url, model_path, out):

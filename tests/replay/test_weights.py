@@ -1,16 +1,19 @@
 """The weight channel over real ZeroMQ sockets: chunked adapters of any size, the wire dtype,
-the newest version winning, and what happens to broken adapters and strangers' frames."""
+the newest version winning, and what happens to broken adapters and strangers' frames. Publishers
+here run with `shm=False` where the socket path is under test (subscribers on other hosts);
+tests/replay/test_shm_weights.py has the same-host path."""
 
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import zmq
 
 from replay import wire
-from replay.chunks import CHUNK, chunk_messages, from_safetensors, to_safetensors
-from replay.weights import (Adapter, AdapterUndeliverable, WeightPublisher, WeightSubscriber,
+from replay.chunks import CHUNK, BrokenAdapter, chunk_messages, from_safetensors, to_safetensors
+from replay.weights import (DATA, NEWS, Adapter, AdapterUndeliverable, WeightPublisher, WeightSubscriber,
                             decode_adapter, encode_adapter)
 
 KEY = bytes(range(32))
@@ -53,8 +56,8 @@ class RawPub:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def send(self, messages) -> None:
-        for parts in messages:
-            self.sock.send_multipart(parts)
+        for parts in messages:  # on the publisher's topics: commits are news, chunks data
+            self.sock.send_multipart([NEWS if len(parts) == 1 else DATA, *parts])
 
     def send_adapter(self, adapter: Adapter) -> None:
         self.send(encode_adapter(adapter, KEY, chunk_bytes=1 << 20))
@@ -109,7 +112,7 @@ def flat(messages) -> list:
 def test_adapter_over_the_frame_cap_reaches_every_subscriber_and_latest(monkeypatch, closing):
     monkeypatch.setattr(wire, "MAX_FRAME", 1 << 20)  # a 1 MiB cap keeps the test light
     tensors = lora(5 << 20)
-    publisher = WeightPublisher(key=KEY, chunk_bytes=300_000)
+    publisher = WeightPublisher(key=KEY, chunk_bytes=300_000, shm=False)
     closing(publisher)
     subs = [WeightSubscriber(publisher.endpoints, key=KEY) for _ in range(2)]
     for s in subs:
@@ -132,7 +135,7 @@ def test_adapter_over_the_frame_cap_reaches_every_subscriber_and_latest(monkeypa
 
 
 def test_a_subscriber_that_joins_later_learns_of_the_adapter_from_the_announcements(closing):
-    publisher = WeightPublisher(key=KEY, announce_s=0.1)
+    publisher = WeightPublisher(key=KEY, announce_s=0.1, shm=False)
     closing(publisher)
     tensors = lora(100_000)
     publisher.publish(Adapter(4, "base", {}, tensors))
@@ -145,7 +148,7 @@ def test_a_subscriber_that_joins_later_learns_of_the_adapter_from_the_announceme
 
 def test_a_real_adapter_over_64_mib(closing):
     tensors = lora(70 << 20)  # ~70 MiB of fp32, over the real frame cap
-    publisher = WeightPublisher(key=KEY)
+    publisher = WeightPublisher(key=KEY, shm=False)  # the socket, as to actors on other hosts
     closing(publisher)
     subs = [WeightSubscriber(publisher.endpoints, key=KEY) for _ in range(2)]
     for s in subs:
@@ -166,7 +169,7 @@ def test_a_real_adapter_over_64_mib(closing):
 def test_bf16_on_the_wire(closing):
     tensors = {"a.lora_A.weight": torch.randn(7, 33), "a.lora_B.weight": torch.randn(33, 7) * 1e3,
                "steps": torch.arange(5)}  # not floating: travels as it is
-    publisher = WeightPublisher(key=KEY, dtype="bfloat16")
+    publisher = WeightPublisher(key=KEY, dtype="bfloat16", shm=False)
     sub = WeightSubscriber(publisher.endpoints, key=KEY)
     closing(publisher), closing(sub)
     sync(publisher.publish, [sub])
@@ -180,8 +183,46 @@ def test_bf16_on_the_wire(closing):
         WeightPublisher(dtype="fp8")
 
 
+def _address(buffer) -> int:
+    return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+
+
+def test_tensors_travel_from_their_own_memory_and_arrive_as_views():
+    """No copy on either side: every tensor already in the wire dtype is sent as frames of its own
+    memory, and decoding gives views of the frames, except the few tensors that straddle chunks."""
+    tensors = {k: v.bfloat16() for k, v in lora(3 << 20).items()}
+    messages = encode_adapter(Adapter(2, "base", {}, tensors), KEY, dtype="bfloat16", chunk_bytes=1 << 20)
+    frames = {_address(part) for parts in messages[:-1] for part in parts[1:]}
+    assert all(t.data_ptr() in frames for t in tensors.values())
+    assert all(len(parts) - 1 == wire.unpack(parts[0], ("adapter_chunk.v3",), key=KEY)["frames"]
+               for parts in messages[:-1])
+    back = decode_adapter(messages, KEY)
+    assert_same(back.tensors, tensors)
+    views = [k for k, v in back.tensors.items() if v.data_ptr() == tensors[k].data_ptr()]
+    assert len(views) >= len(tensors) - (len(messages) - 2)  # at most one straddler a chunk boundary
+
+
+def test_tensors_to_cast_or_not_contiguous_or_empty_travel_as_converted_copies():
+    tensors = {"t": torch.randn(6, 40).t(), "b": torch.randn(50).bfloat16(), "h": torch.randn(9).half(),
+               "i": torch.arange(7), "e": torch.empty(0, 3), "s": torch.tensor(3.0)}
+    for dtype in (None, "bfloat16", "float32"):
+        want = {k: v.to(getattr(torch, dtype)) if dtype and v.is_floating_point() else v for k, v in tensors.items()}
+        back = decode_adapter(encode_adapter(Adapter(1, "base", {}, tensors), KEY, dtype=dtype, chunk_bytes=256), KEY)
+        assert_same(back.tensors, want)
+        if dtype is None:  # a non-contiguous tensor is never sent from its own (strided) memory
+            assert back.tensors["t"].data_ptr() != tensors["t"].data_ptr()
+
+
+def test_a_chunk_without_the_frames_its_header_counts_is_broken():
+    messages = encode_adapter(Adapter(3, "base", {}, lora(100_000)), KEY, chunk_bytes=1 << 20)
+    assert len(messages[0]) > 2  # the header, then the JSON header's piece and tensors' own frames
+    short = [messages[0][:-1], *messages[1:]]
+    with pytest.raises(BrokenAdapter, match=f"chunk 0 came with {len(messages[0]) - 2} data frames, its header says"):
+        decode_adapter(short, KEY)
+
+
 def test_versions_published_quickly_end_on_the_newest_and_never_go_back(closing):
-    publisher = WeightPublisher(key=KEY, chunk_bytes=64 << 10, hwm=8)  # 4 chunks an adapter, a short queue
+    publisher = WeightPublisher(key=KEY, chunk_bytes=64 << 10, hwm=8, shm=False)  # 4 chunks an adapter, a short queue
     sub = WeightSubscriber(publisher.endpoints, key=KEY, hwm=2, stall_s=1.0)
     closing(publisher), closing(sub)
     sync(publisher.publish, [sub])
@@ -286,7 +327,7 @@ def test_strangers_frames_are_rejected_and_counted(closing):
 
 
 def test_a_subscriber_with_the_wrong_key_rejects_everything(closing):
-    publisher = WeightPublisher(key=KEY, chunk_bytes=100_000)
+    publisher = WeightPublisher(key=KEY, chunk_bytes=100_000, shm=False)
     sub = WeightSubscriber(publisher.endpoints, key=b"not the run key")
     closing(publisher), closing(sub)
     deadline = time.monotonic() + 20
@@ -307,7 +348,7 @@ def test_an_empty_adapter_is_refused():
 
 
 def test_chunks_grow_so_that_two_adapters_fit_the_queue(closing):
-    publisher = WeightPublisher(key=KEY, chunk_bytes=10_000, hwm=6)
+    publisher = WeightPublisher(key=KEY, chunk_bytes=10_000, hwm=6, shm=False)
     sub = WeightSubscriber(publisher.endpoints, key=KEY)
     closing(publisher), closing(sub)
     messages = encode_adapter(Adapter(1, "b", {}, lora(100_000)), KEY, chunk_bytes=10_000, max_chunks=3)
@@ -343,17 +384,24 @@ def test_safetensors_bytes_are_what_the_library_reads_and_writes():
         from_safetensors([len(head).to_bytes(8, "little") + head + bytes(8)])
 
 
-def test_an_adapter_in_the_old_format_stops_with_a_message_that_names_it(closing):
-    """Format 1 (SHA-256 digests) is never read as format 2, nor dropped silently as a stranger's."""
+OLD_FORMATS = {1: [wire.pack("adapter_chunk", key=KEY, version=2, index=0, count=1, total=3, digest=bytes(32),
+                              sha=bytes(32), base_model="base", config={}), b"abc"],
+               2: [wire.pack("adapter_chunk.v2", key=KEY, version=2, index=0, count=1, total=3, mac=bytes(32),
+                              base_model="base", config={}), b"abc"]}
+
+
+@pytest.mark.parametrize("number", sorted(OLD_FORMATS))
+def test_an_adapter_in_an_old_format_stops_with_a_message_that_names_it(closing, number):
+    """Formats 1 (SHA-256 digests) and 2 (one data frame a chunk) are never read as format 3, nor
+    dropped silently as a stranger's."""
     fake = RawPub()
     closing(fake.sock)
-    old = [wire.pack("adapter_chunk", key=KEY, version=2, index=0, count=1, total=3, digest=bytes(32),
-                     sha=bytes(32), base_model="base", config={}), b"abc"]
+    old = OLD_FORMATS[number]
     latest = RawLatest(old)  # an older learner answers `latest` in format 1 too
     closing(latest)
     sub = WeightSubscriber((fake.endpoint, latest.endpoint), key=KEY, retries=2, timeout=5)
     closing(sub)
     sync(fake.send_adapter, [sub])
     fake.send([old])
-    with pytest.raises(AdapterUndeliverable, match="adapter version 2.*format 1.*older Tandem"):
+    with pytest.raises(AdapterUndeliverable, match=f"adapter version 2.*format {number}.*older Tandem"):
         sub.wait(20)
