@@ -63,13 +63,22 @@ def kill_part(proc: subprocess.Popen, title: str) -> None:
 
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL the driver, as a lost machine would, and wait for its parts to end (Ray's workers end
-    with its raylet, which ends with the driver); any still there after a minute are killed."""
-    parts = psutil.Process(proc.pid).children(recursive=True)
+    with its raylet, which ends with the driver); any still there after a minute are killed. Ray's
+    dashboard and runtime-env agents can outlive the raylet: they are killed once the rest is gone."""
+    parts, agents = [], []
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            (agents if p.name().endswith("Agent") else parts).append(p)
+        except psutil.NoSuchProcess:
+            continue
     proc.kill()
     proc.communicate(timeout=60)
     _, alive = psutil.wait_procs(parts, timeout=60)
-    for p in alive:
-        p.kill()
+    for p in alive + agents:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            continue
 
 
 def finish(proc: subprocess.Popen, seen: str = "") -> str:

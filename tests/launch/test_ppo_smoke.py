@@ -15,7 +15,8 @@ def test_ppo_run_with_the_critic(tmp_path):
     # learns from uniform-reward groups too), so a step costs about twice a GRPO step.
     logdir = tmp_path / "ppo"
     run = subprocess.run([sys.executable, "-m", "launch.async", "--actors", "2", "--learners", "1", "--algo", "ppo",
-                          "--steps", "3", "--learner.groups-per-step", "8", "--logdir", str(logdir)],
+                          "--steps", "3", "--learner.groups-per-step", "8", "--eval-episodes", "8",
+                          "--logdir", str(logdir)],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "done: 3 steps" in run.stdout
