@@ -184,6 +184,7 @@ def _catch_interrupts() -> None:
 
 
 def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fleet) -> None:
+    from launch import cluster
     from launch.monitor import actor_scalars, replay_scalars, step_scalars
     from launch.parts import make_evaluator
     from learner.checkpoint import Checkpoints
@@ -191,7 +192,7 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
     from replay.weights import WeightSubscriber
 
     evaluator = make_evaluator(cfg, model_path)  # where the actors run the policy
-    sub = WeightSubscriber(weights, key=key)
+    sub = WeightSubscriber(weights, key=key, host_key=cluster.host_key())
     if cfg.resume:  # what the run evaluated before is in TensorBoard already
         checkpoints = Checkpoints(cfg.run_dir)
         last_eval = version = checkpoints.published()

@@ -172,7 +172,7 @@ class LearnerPart:
                                temperature=cfg.actor.temperature, host=bind, advertise=advertise, key=self.key,
                                algo=cfg.algo, correction=cfg.correction, horizon=cfg.steps,
                                checkpoints=Checkpoints(cfg.run_dir, cfg.keep_checkpoints),
-                               weight_ports=weight_ports)
+                               weight_ports=weight_ports, host_key=cluster.host_key())
         return self.learner.setup(resume=resume)
 
     def where(self) -> dict:
@@ -216,7 +216,8 @@ class ActorPart:
         kwargs = cfg.env_kwargs()
         self.actor = Actor(cfg.actor, name, engine, cfg.chat(model_path),
                            lambda: make_env(cfg.env, **kwargs), replay,
-                           WeightSubscriber(weight_endpoints, key=key), seed=cfg.seed * 1000 + index)
+                           WeightSubscriber(weight_endpoints, key=key, host_key=cluster.host_key()),
+                           seed=cfg.seed * 1000 + index)
         self._stop = threading.Event()
 
     def run(self) -> None:

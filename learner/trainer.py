@@ -56,7 +56,7 @@ class Learner:
                  replay, temperature: float = 1.0, host: str = "127.0.0.1", key: bytes | None = None,
                  algo: str = DEFAULT_ALGO, correction: str = DEFAULT_CORRECTION,
                  horizon: int | None = None, advertise: str | None = None, checkpoints=None,
-                 weight_ports: tuple[int, int] = (0, 0), base_config=None) -> None:
+                 weight_ports: tuple[int, int] = (0, 0), base_config=None, host_key: str | None = None) -> None:
         from learner.losses import ALGOS, CORRECTIONS
 
         if algo not in ALGOS:
@@ -73,7 +73,7 @@ class Learner:
         to `version` unless the group went back to a checkpoint (learner/checkpoint.py)."""
         self.checkpoints = checkpoints
         """A learner.checkpoint.Checkpoints of the run directory, or None (no checkpoints)."""
-        self.weight_ports = weight_ports
+        self.weight_ports, self.host_key = weight_ports, host_key
         self.base_config = base_config
         """A transformers config to build a randomly initialised base of that shape from, instead of
         loading `model_path`'s weights (benchmarks of model sizes without a checkpoint); None normally."""
@@ -131,7 +131,8 @@ class Learner:
             from replay.weights import WeightPublisher
 
             self.publisher = WeightPublisher(self.host, *self.weight_ports, key=self.key, advertise=self.advertise,
-                                             dtype="bfloat16" if self.dtype == torch.bfloat16 else None)
+                                             dtype="bfloat16" if self.dtype == torch.bfloat16 else None,
+                                             host_key=self.host_key)
         if resume:
             self._resume()
         self._publish()  # the current adapter (version 0: the identity), so late joiners can ask for it

@@ -51,9 +51,11 @@ class ShmWriter:
         shm.close()                 # removes the files still kept
     """
 
-    def __init__(self, directory: str = ARENA_DIR, keep: int = 2) -> None:
+    def __init__(self, directory: str = ARENA_DIR, keep: int = 2, host: str | None = None) -> None:
         self.dir, self.keep = Path(directory), keep
-        self.host = host_id()
+        self.host = host or host_id()
+        """Which host this is, as announced: `host` (the launcher gives its Ray node: two Ray nodes
+        on one machine are two hosts, as for the replay's arenas), else the machine's boot id."""
         self.files: list[Path] = []
         self.off: str | None = None
         """Why the fast path is off (None while it is on)."""

@@ -178,11 +178,13 @@ class WeightPublisher:
     `dtype` casts floating tensors for the wire (one of WIRE_DTYPES); `chunk_bytes` is the chunk
     size; `hwm` the chunks each subscriber's queue holds (fixed at bind); `announce_s` the period
     of the announcements of the newest version; `advertise` the address subscribers reach (for a
-    `host` of "0.0.0.0", one of this node's addresses)."""
+    `host` of "0.0.0.0", one of this node's addresses); `shm` writes each version to shared memory
+    for subscribers on this host, `host_key` saying which host this is (default: the boot id)."""
 
     def __init__(self, host: str = "127.0.0.1", pub_port: int = 0, req_port: int = 0,
                  key: bytes | None = None, *, dtype: str | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 hwm: int = 64, announce_s: float = 1.0, advertise: str | None = None, shm: bool = True) -> None:
+                 hwm: int = 64, announce_s: float = 1.0, advertise: str | None = None, shm: bool = True,
+                 host_key: str | None = None) -> None:
         if dtype not in WIRE_DTYPES:
             raise ValueError(f"wire dtype {dtype!r}: choose one of {WIRE_DTYPES}")
         if not 0 < chunk_bytes <= wire.MAX_FRAME:
@@ -204,7 +206,7 @@ class WeightPublisher:
         self._router.bind(f"tcp://{host}:{req_port or '*'}")
         self.endpoints = (advertised(self._pub.getsockopt_string(zmq.LAST_ENDPOINT), advertise),
                           advertised(self._router.getsockopt_string(zmq.LAST_ENDPOINT), advertise))
-        self._shm = ShmWriter() if shm else None
+        self._shm = ShmWriter(host=host_key) if shm else None
         self._thread = threading.Thread(target=self._serve, name="weights-latest", daemon=True)
         self._thread.start()
 
@@ -276,10 +278,13 @@ class WeightSubscriber:
     `retries` requests for `latest` (each waiting up to `timeout` s) are what it takes, after an
     adapter from our publisher fails to arrive whole, before `AdapterUndeliverable`; a partial
     adapter that gets no new chunk for `stall_s` s has lost its tail; `hwm` is the receive queue
-    in chunks (a full queue holds the publisher back, then its own queue drops)."""
+    in chunks (a full queue holds the publisher back, then its own queue drops); `host_key` which
+    host this is, as the publisher's is (adapters announced from the same host are read from
+    shared memory)."""
 
     def __init__(self, endpoints: tuple[str, str] | list[str], key: bytes | None = None, *,
-                 retries: int = 3, timeout: float = 30.0, stall_s: float = 10.0, hwm: int = 32) -> None:
+                 retries: int = 3, timeout: float = 30.0, stall_s: float = 10.0, hwm: int = 32,
+                 host_key: str | None = None) -> None:
         self.key, self.retries, self.timeout, self.stall_s = key, retries, timeout, stall_s
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -288,7 +293,7 @@ class WeightSubscriber:
         self._sub.setsockopt(zmq.SUBSCRIBE, NEWS)
         self._sub.setsockopt(zmq.SUBSCRIBE, DATA)
         self._sub.connect(endpoints[0])
-        self._host = host_id()
+        self._host = host_key or host_id()
         self.local = False
         """Whether adapters come from shared memory (this subscriber is on the publisher's host)."""
         self._endpoints = (endpoints[0], endpoints[1])
