@@ -33,14 +33,6 @@ def mapped(name: str) -> bool:
     return name in Path("/proc/self/maps").read_text()
 
 
-@pytest.fixture
-def closing():
-    things = []
-    yield things.append
-    for thing in reversed(things):
-        thing.close()
-
-
 def connect(publisher, subs) -> None:
     """Publish version 0 until every subscriber has it (their SUB sockets are connected)."""
     for _ in range(400):

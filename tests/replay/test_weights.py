@@ -88,14 +88,6 @@ class RawLatest:
         self.sock.close(0)
 
 
-@pytest.fixture
-def closing():
-    things = []
-    yield things.append
-    for thing in reversed(things):
-        thing.close()
-
-
 def corrupt(messages, index: int) -> list:
     """The chunk messages with one byte of chunk `index`'s data flipped (its signed header intact)."""
     out = [list(parts) for parts in messages]
