@@ -190,7 +190,9 @@ def make_engine(kind: str, model_path: str, lora, device: str = "cpu", seed: int
 
 class TorchEngine:
     def __init__(self, model_path: str, lora, device: str = "cpu", seed: int = 0,
-                 dtype: str = "float32", recompute_kv: bool = False, merge_lora: bool = True) -> None:
+                 dtype: str = "float32", recompute_kv: bool = False, merge_lora: bool = True, model=None) -> None:
+        """`model`: a PEFT model to generate with instead of loading `model_path` (colocated mode:
+        a learner rank's own, its policy adapter as trained; nothing is loaded, merged or copied)."""
         import torch
         from peft.tuners.lora import LoraLayer
 
@@ -200,7 +202,10 @@ class TorchEngine:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.model = with_lora(load_model(model_path, dtype=dtype, device=device), lora).eval()
+        if model is not None:
+            merge_lora = False  # the weights are the trainer's: never folded into
+        self.model = model if model is not None else with_lora(load_model(model_path, dtype=dtype, device=device),
+                                                               lora).eval()
         # transformers ≥ 5.20 names the KV cache argument `cache`, earlier versions (vLLM's CPU build
         # pins one) `past_key_values`: a misnamed one would be swallowed and decoding would run
         # without context (tests/actors/test_engine.py pins this).
