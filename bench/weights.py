@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import queue
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -101,11 +102,15 @@ def _bare_sub(endpoint, size, versions, hashed, key, ready, done) -> None:
     sock = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(endpoint)
+    while sock.recv() != SYNC:  # connected: a PUB socket drops what is sent before
+        continue
     ready.put(os.getpid())
     for version in range(versions):
         got, frames = 0, []
         while got < size:
             frame = sock.recv(copy=False)
+            if len(frame) == len(SYNC) and frame.bytes == SYNC:
+                continue  # sent while the others were connecting
             if hashed:
                 (blake3.blake3(frame.buffer, key=mac_key) if mac_key else blake3.blake3(frame.buffer)).digest()
             frames.append(frame)
@@ -113,6 +118,10 @@ def _bare_sub(endpoint, size, versions, hashed, key, ready, done) -> None:
         done.put((version, time.perf_counter(), got == size))
         del frames
     sock.close(0)
+
+
+SYNC = b"sync"
+"""What the baselines' PUB sockets send until every subscriber has connected."""
 
 
 def _collect(done, n: int, version: int, t0: float, local: list | None = None) -> float:
@@ -162,10 +171,17 @@ def main(args: Args) -> dict:
     for p in procs:
         p.start()
     try:
-        for q in ready.values():
+        deadline = time.monotonic() + 300
+        for name, q in ready.items():  # every subscriber connected: none misses a frame
             for _ in range(args.subscribers):
-                q.get(timeout=300)
-        time.sleep(1.0)  # let every SUB socket connect
+                while True:
+                    for sock in (bare, hashed):
+                        sock.send(SYNC)
+                    try:
+                        q.get(timeout=0.05)
+                        break
+                    except queue.Empty:
+                        assert time.monotonic() < deadline, f"the {name} subscribers never started"
 
         def send_bare(sock, version: int) -> float:
             t0 = time.perf_counter()
