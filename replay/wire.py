@@ -68,9 +68,12 @@ class Trajectory:
 
     @property
     def version(self) -> int:
-        """The oldest version among the model's tokens (the trajectory's version)."""
+        """The oldest version among the model's tokens (the trajectory's version); for one without
+        model tokens (an environment that failed before the first turn), the oldest of its own
+        (its observation tokens carry the version it started under), as `check_group` computes."""
         model = self.versions[self.mask.astype(bool)]
-        return int(model.min()) if model.size else int(self.versions.min(initial=0))
+        source = model if model.size else self.versions
+        return int(source.min()) if source.size else 0
 
 
 @dataclass

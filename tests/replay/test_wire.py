@@ -19,6 +19,17 @@ def test_group_round_trip_is_exact():
         assert (a.reward, a.turns, a.finish_reason, a.version) == (b.reward, b.turns, b.finish_reason, b.version)
 
 
+def test_a_trajectory_without_model_tokens_has_the_version_it_started_under():
+    """An environment that failed before the first turn leaves only observation tokens; their
+    version is the episode's, on the trajectory as in the group replay checks (not 0)."""
+    g = make_group(version=3, seed=1)
+    t = g.trajectories[0]
+    t.mask[:] = 0
+    assert t.version == 3
+    back = decode_group(bytes(encode_group(g)))
+    assert back.trajectories[0].version == back.version == 3
+
+
 def test_decoded_arrays_are_views_of_the_blob():
     blob = encode_group(make_group(seed=2))
     back = decode_group(memoryview(blob))
