@@ -220,7 +220,7 @@ class TorchEngine:
         self._merged = [(m, m.base_layer.weight.detach().clone()) for m in self.model.modules()
                         if isinstance(m, LoraLayer)] if merge_lora else []
         self._merge()
-        self._reset_cache()
+        self.reset_cache()
 
     # -- adapters ---------------------------------------------------------
     def load_adapter(self, version: int, tensors: dict) -> None:
@@ -233,7 +233,7 @@ class TorchEngine:
         self._merge()
         self.version = version
         if self.recompute_kv:
-            self._reset_cache()  # the next turn re-prefills every live episode under the new weights
+            self.reset_cache()  # the next turn re-prefills every live episode under the new weights
 
     def _merge(self) -> None:
         """W = W₀ + ΔW for every adapted layer; their forward then skips the LoRA branch."""
@@ -307,7 +307,8 @@ class TorchEngine:
         return torch.tensor(u, dtype=torch.float64, device=self.device)
 
     # -- the batch KV cache -----------------------------------------------
-    def _reset_cache(self) -> None:
+    def reset_cache(self) -> None:
+        """Forget every session's keys and values (the next turn of each prefills it again)."""
         self._cache = None
         self._rows: list[list[int]] = []       # tokens fed into the cache, per row
         self._sessions: list[Hashable] = []
@@ -403,5 +404,5 @@ class TorchEngine:
         return logits
 
     def close(self) -> None:
-        self._reset_cache()
+        self.reset_cache()
         del self.model

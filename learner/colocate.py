@@ -47,3 +47,82 @@ def generating(model):
         for unit in reversed(units):
             unit.reshard()
         model.train(training)
+
+
+class _Quota:
+    """The actor side of replay for a colocated rank: pushes go to replay as any actor's, but
+    credits are the rank's share of the current step's batch, granted here (replay's admission
+    bounds how far actors run ahead of the learner; a colocated rank never does)."""
+
+    def __init__(self, replay, version) -> None:
+        self.replay, self.version = replay, version
+        self.left = self.wanted = 0
+
+    def hello(self) -> None:
+        self.replay.hello()
+
+    def request_credit(self) -> None:
+        self.wanted += 1
+
+    def credits(self, timeout: float = 0.0) -> list[int]:
+        n = min(self.wanted, self.left)
+        self.wanted, self.left = self.wanted - n, self.left - n
+        return [self.version()] * n
+
+    def send(self, group) -> None:
+        self.replay.send(group)
+
+    def flush(self, timeout: float) -> None:
+        self.replay.flush(timeout=timeout)
+
+
+class _Own:
+    """The weights of a colocated rank's engine: the trainer's own, never sent anywhere."""
+
+    def poll(self):
+        return None
+
+    def wait(self, timeout: float):
+        return None
+
+    def latest(self, timeout: float):
+        return None
+
+
+class Colocated:
+    """A learner rank's own actor. Before each optimizer step (`Learner.before_step`) it plays
+    the rank's share of the step's groups with the torch engine on the rank's model, as an actor
+    would (environments on threads, with time limits; a failing environment ends its episode
+    only), and pushes them to replay; the step then trains on them: strictly on-policy.
+
+    Usage::
+
+        colocated = Colocated(learner, cfg.actor, chat, make_env, actor_replay, share, seed)
+        learner.before_step = colocated.generate
+    """
+
+    def __init__(self, learner, actor_cfg, chat, make_env, replay, share: int, seed: int = 0) -> None:
+        from actors.actor import Actor
+        from actors.engine import TorchEngine
+
+        self.learner, self.share = learner, share
+        engine = TorchEngine(learner.model_path, learner.cfg.lora, device=str(learner.device), seed=seed,
+                             model=learner.model)
+        self.credits = _Quota(replay, lambda: learner.version)
+        self.actor = Actor(actor_cfg, f"learner-{learner.rank}", engine, chat, make_env, self.credits, _Own(),
+                           seed=seed)
+
+    def generate(self) -> None:
+        """Play this rank's share of the next step's groups with the current weights; every rank
+        must call it together (gathering the model's weights is collective)."""
+        import threading
+
+        engine = self.actor.engine
+        engine.version = self.learner.version  # the weights are the trainer's as they stand
+        engine.reset_cache()  # no key or value of the weights before this step's update
+        self.credits.left = self.share
+        with generating(self.learner.model):
+            self.actor.run(threading.Event(), max_groups=self.share)
+
+    def stats(self) -> dict:
+        return self.actor.stats()

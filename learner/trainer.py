@@ -74,6 +74,10 @@ class Learner:
         self.checkpoints = checkpoints
         """A learner.checkpoint.Checkpoints of the run directory, or None (no checkpoints)."""
         self.weight_ports, self.host_key = weight_ports, host_key
+        self.before_step = None
+        """Called before each step of `run` on every rank (colocated mode: generate the step's
+        groups, learner/colocate.py); its seconds are the step's `generate_s`."""
+        self._generate_s = None
         self.base_config = base_config
         """A transformers config to build a randomly initialised base of that shape from, instead of
         loading `model_path`'s weights (benchmarks of model sizes without a checkpoint); None normally."""
@@ -292,6 +296,8 @@ class Learner:
         t3 = time.perf_counter()
         local = step_metrics(batch, live, sums, self.cfg.mini_batches)
         local.update(lr=self.cfg.lr * factor, wait_s=t1 - t0, train_s=t2 - t1, publish_s=t3 - t2)
+        if self._generate_s is not None:
+            local["generate_s"], self._generate_s = self._generate_s, None
         out = self._reduce(local)
         out.update(step=self.steps_done, version=self.version, adapter_bytes=adapter_bytes,
                    idle_fraction=out["wait_s"] / max(t3 - t0, 1e-9), time=time.time())
@@ -441,6 +447,10 @@ class Learner:
         self._horizon = self._horizon or steps
         saved = self.steps_done
         while self.steps_done < self.target and not (stop and stop.is_set()):
+            if self.before_step is not None:
+                t = time.perf_counter()
+                self.before_step()
+                self._generate_s = time.perf_counter() - t
             self.step()
             if save_dir is not None and self.cfg.save_every and self.steps_done % self.cfg.save_every == 0:
                 self.save_to(save_dir)

@@ -67,3 +67,59 @@ def test_each_rank_generates_with_its_own_model_then_trains(tiny_model):
         assert r["gap"] < 1e-4, r["gap"]  # the same distribution as a plain model with the adapter
         assert r["bare_gap"] > 1e-3, r["bare_gap"]  # and the adapter mattered
         assert np.isfinite(r["loss"]) and r["training"]
+
+
+def _loop_rank(rank, url, model_path, endpoint, out):
+    import random
+
+    import torch
+
+    from actors.actor import ActorConfig
+    from envs import make_env
+    from learner.colocate import Colocated
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+    from policy.chat import Chat
+    from policy.load import load_tokenizer
+    from tests.actors.test_isolation import Echo
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = LearnerConfig(lr=1e-3, groups_per_step=4)
+    learner = Learner(cfg, model_path, rank, 2, url, ZmqReplayClient(endpoint), temperature=0.7)
+    rng = random.Random(rank)
+
+    def flaky_env():  # one environment in four raises mid-episode
+        return Echo("step-raise") if rng.random() < 0.25 else make_env("maze", max_steps=4)
+
+    try:
+        learner.setup()
+        actor_cfg = ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=4)
+        replay = ZmqReplayClient(endpoint, actor=f"learner-{rank}")
+        colocated = Colocated(learner, actor_cfg, Chat(load_tokenizer(model_path)), flaky_env, replay, share=2,
+                              seed=rank)
+        learner.before_step = colocated.generate
+        learner.run(3)
+        out.put((rank, dict(metrics=learner.drain_metrics(), stats=colocated.stats(), version=learner.version)))
+    finally:
+        learner.close()
+
+
+def test_a_colocated_rank_plays_its_share_then_trains_on_it_strictly_on_policy(tiny_model):
+    server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=0, num_shards=2), "tcp://127.0.0.1:*")
+    endpoint = server.start()
+    try:
+        results = _spawn(_loop_rank, tiny_model, endpoint)
+        stats = server.buffer.snapshot()
+    finally:
+        server.stop()
+    for rank, r in results.items():
+        assert r["version"] == 3 and [m["step"] for m in r["metrics"]] == [1, 2, 3]
+        for m in r["metrics"]:
+            assert m["staleness_max"] == 0.0  # every group was played by the weights it trains
+            assert m["generate_s"] > 0 and np.isfinite(m["loss"])
+        assert r["stats"]["groups"] == 3 * 2  # its share of each step: 2 of the 4 groups
+    # every group played was trained on: none stale, none left over
+    assert stats["received_groups"] == 12 and not sum(stats["dropped"].values()) and stats["queue_groups"] == 0
+    errors = sum(r["stats"].get("finish/env_error", 0) for r in results.values())
+    assert errors > 0  # environments failed, and the run went on
