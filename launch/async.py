@@ -63,8 +63,11 @@ def main(cfg: Config) -> int:
         f.write(cfg.to_json())
     os.replace(config_path + ".tmp", config_path)
     torch.set_num_threads(1)
-    mode = "colocated sync (η=0)" if cfg.colocate else f"async (η={cfg.staleness_bound})"
-    print(f"tandem: {cfg.actors} actors, {cfg.learners} learners, {mode}, {cfg.steps} steps, "
+    if cfg.colocate:
+        mode = "colocated (η=0): each learner rank generates its share, then trains; --actors is ignored"
+    else:
+        mode = f"async (η={cfg.staleness_bound})"
+    print(f"tandem: {0 if cfg.colocate else cfg.actors} actors, {cfg.learners} learners, {mode}, {cfg.steps} steps, "
           f"env {cfg.env}, model {model_path}, logs in {logdir}", flush=True)
 
     env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -103,7 +106,7 @@ def main(cfg: Config) -> int:
             cfg, model_path, r, endpoint, key), cfg.learners, cfg.learner.restarts, resume=bool(cfg.resume))
         weights = learners.start()
         fleet = Fleet(lambda i: Actor.options(**actor_options(cfg)).remote(cfg, model_path, i, endpoint, weights, key),
-                      cfg.actors, cfg.actor.restarts)  # calls run() on each
+                      0 if cfg.colocate else cfg.actors, cfg.actor.restarts)  # calls run() on each
         if joining:
             names = ["replay", *(f"learner-{r}" for r in range(cfg.learners)), *(f"actor-{i}" for i in range(cfg.actors))]
             rows = ray.get([p.where.remote() for p in (replay.handle, *learners.ranks, *fleet.actors)], timeout=600)
@@ -225,7 +228,7 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
                 version, board.step = m["version"], m["step"]
                 stats = replay.snapshot()
                 scalars = step_scalars(m)
-                scalars.update(actor_scalars(fleet.stats()))
+                scalars.update(actor_scalars(learners.actor_stats() if cfg.colocate else fleet.stats()))
                 scalars["actors/restarts"] = float(sum(fleet.restarts))
                 scalars["learner/restarts"] = float(learners.restarts)
                 scalars["replay/restarts"] = float(replay.restarts)

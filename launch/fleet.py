@@ -48,6 +48,8 @@ class Fleet:
         import ray
         from ray.exceptions import RayActorError
 
+        if not self.runs:  # colocated mode: no actor processes
+            return []
         ended, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
         lines = []
         for ref in ended:
@@ -80,6 +82,8 @@ class Fleet:
         import ray
 
         refs = [a.stats.remote() for a in self.actors]
+        if not refs:
+            return []
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         out = []
         for i, ref in enumerate(refs):

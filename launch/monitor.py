@@ -119,6 +119,10 @@ def step_scalars(m: dict) -> dict[str, float]:
                 "explained_variance": "critic/explained_variance", "value_clip_fraction": "critic/clip_fraction",
                 "critic_grad_norm": "critic/grad_norm", "checkpoint_s": "perf/checkpoint_s"}
     out.update({tag: m[k] for k, tag in optional.items() if k in m})
+    if "generate_s" in m:  # colocated mode: the ranks take turns generating and training
+        total = m["generate_s"] + m["wait_s"] + m["train_s"] + m["publish_s"]
+        out.update({"colocate/generate_s": m["generate_s"], "colocate/generate_share": m["generate_s"] / total,
+                    "colocate/train_share": m["train_s"] / total})
     return out
 
 

@@ -146,7 +146,7 @@ class LearnerPart:
             os.environ["LOCAL_RANK"] = "0"  # the rank sees its own GPU alone, as cuda:0 (learner/trainer.py)
         _threads(cfg.learner.threads)
         self.cfg, self.model_path, self.rank, self.replay_endpoint, self.key = cfg, model_path, rank, replay_endpoint, key
-        self.learner = None
+        self.learner = self.colocated = None
 
     def rendezvous(self) -> str:
         """The learners' torch.distributed address: a free port on this (rank 0's) node."""
@@ -173,7 +173,29 @@ class LearnerPart:
                                algo=cfg.algo, correction=cfg.correction, horizon=cfg.steps,
                                checkpoints=Checkpoints(cfg.run_dir, cfg.keep_checkpoints),
                                weight_ports=weight_ports, host_key=cluster.host_key())
-        return self.learner.setup(resume=resume)
+        endpoints = self.learner.setup(resume=resume)
+        if cfg.colocate:
+            self._colocate()
+        return endpoints
+
+    def _colocate(self) -> None:
+        """Colocated mode: this rank plays its share of every step's groups before the step."""
+        from envs import make_env
+        from learner.colocate import Colocated
+        from replay.client import ZmqReplayClient
+
+        cfg = self.cfg
+        replay = ZmqReplayClient(self.replay_endpoint, actor=f"learner-{self.rank}", key=self.key,
+                                 arena_bytes=cfg.replay.arena_mb << 20, host=cluster.host_key())
+        kwargs = cfg.env_kwargs()
+        self.colocated = Colocated(self.learner, cfg.actor, cfg.chat(self.model_path),
+                                   lambda: make_env(cfg.env, **kwargs), replay,
+                                   share=cfg.learner.groups_per_step // cfg.learners, seed=cfg.seed * 1000 + self.rank)
+        self.learner.before_step = self.colocated.generate
+
+    def actor_stats(self) -> dict:
+        """Colocated mode: this rank's generation counters (as an actor's stats)."""
+        return self.colocated.stats() if self.colocated is not None else {}
 
     def where(self) -> dict:
         return cluster.where()

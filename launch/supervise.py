@@ -126,6 +126,17 @@ class LearnerGroup:
 
         ray.get([lr.limit.remote(steps) for lr in self.ranks])
 
+    def actor_stats(self) -> list[dict]:
+        """Colocated mode: each rank's generation counters, as an actor's (empty while a
+        restarted group loads; a restarted rank counts from zero)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            return ray.get([r.actor_stats.remote() for r in self.ranks], timeout=30)
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            return []
+
     def drain_metrics(self) -> list[dict]:
         """Rank 0's metrics since the last call (empty while a restarted group loads)."""
         import ray

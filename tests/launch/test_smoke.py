@@ -66,11 +66,19 @@ def test_async_run_with_vllm_actors(tmp_path):
 
 
 def test_colocated_run_is_strictly_on_policy(tmp_path):
+    """Each learner rank generates its share of the batch with its own model, then trains."""
     logdir = tmp_path / "colocate"
-    launch("--actors", "2", "--learners", "1", "--colocate", "--steps", "3", "--logdir", str(logdir))
-    staleness = read_scalars(str(logdir))["async/staleness_mean"]
+    run = launch("--actors", "2", "--learners", "2", "--colocate", "--steps", "3", "--eval-episodes", "8",
+                 "--logdir", str(logdir))
+    assert "tandem: 0 actors, 2 learners, colocated" in run.stdout and "--actors is ignored" in run.stdout
+    scalars = read_scalars(str(logdir))
+    staleness = scalars["async/staleness_max"]
     assert [s for s, _ in staleness] == [1, 2, 3]
     assert all(v == 0.0 for _, v in staleness)
+    for _, share in scalars["colocate/generate_share"]:
+        assert 0 < share < 1
+    assert all(v > 0 for _, v in scalars["colocate/generate_s"])
+    assert scalars["rollout/finished_terminated"][-1][1] + scalars["rollout/finished_truncated"][-1][1] > 0
 
 
 def test_ctrl_c_stops_every_process_and_leaves_readable_logs(tmp_path):

@@ -1,0 +1,140 @@
+"""`python -m bench.modes`: asynchronous against colocated training, on the same cores.
+
+The main job runs twice on the maze with the same seed and settings, but the mode: async
+(`--actors A --learners L`: actor processes generate while the learners train) and colocated
+(`--colocate --learners L`: each learner rank generates its share of the batch with its own
+model, then trains on it; no actor processes). Each run goes until its maze-64 evaluation
+(greedy, every `--eval-every` steps, as the job logs it) reaches `--target`, or until
+`--max-minutes`; it is then stopped with SIGTERM, as a scheduler would, and its figures read
+from its TensorBoard events:
+
+- time to target: wall time from the job's start (warm start included, the same in both
+  modes) to the first evaluation at or above the target (None if the run never got there);
+- trajectories per second: trajectories replay received, over the time from the first
+  evaluation (version 0, when training starts) to the last step;
+- peak RSS: the most resident memory the job's processes (the driver, Ray, every part) held
+  together, sampled every half second.
+
+Ends with one JSON line: traj_per_s_async, traj_per_s_colocated, time_to_target_async_s,
+time_to_target_colocated_s, rss_async_mb, rss_colocated_mb, and speedup = colocated time to
+target / async time to target (above 1: async got there faster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import tyro
+
+
+@dataclass
+class Args:
+    actors: int = 6
+    """Actor processes of the async run (the job's default)."""
+    learners: int = 2
+    """Learner ranks of both runs (the job's default)."""
+    target: float = 0.9
+    """maze-64 greedy success that ends a run."""
+    max_minutes: float = 45.0
+    """Wall-clock limit of each run (a run that has not reached the target by then reports None)."""
+    steps: int = 250
+    """Step budget of each run (the job's default)."""
+    seed: int = 0
+    """--seed of both runs."""
+    extra: tuple[str, ...] = ()
+    """More arguments for both runs (e.g. --extra --eval-every 5)."""
+
+
+def _tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            continue
+    return total
+
+
+def _events(logdir: str) -> dict[str, list]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
+
+
+def run(mode: str, args: Args, root: str) -> dict:
+    """One job in `mode` ("async" or "colocated") until the target or the time limit."""
+    logdir = os.path.join(root, mode)
+    cmd = [sys.executable, "-m", "launch.async", "--learners", str(args.learners), "--steps", str(args.steps),
+           "--seed", str(args.seed), "--logdir", logdir, *args.extra]
+    cmd += ["--colocate"] if mode == "colocated" else ["--actors", str(args.actors)]
+    print(f"{mode}: {' '.join(cmd[1:])}", flush=True)
+    started = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    peak, reached, last_read = 0, None, 0.0
+    try:
+        while proc.poll() is None and time.time() - started < 60 * args.max_minutes:
+            peak = max(peak, _tree_rss(proc.pid))
+            time.sleep(0.5)
+            if time.time() - last_read > 15 and os.path.isdir(logdir):
+                last_read = time.time()
+                evals = _events(logdir).get("eval/success_rate", [])
+                hit = [e for e in evals if e.value >= args.target]
+                if hit:
+                    reached = hit[0].wall_time - started
+                    break
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the job checkpoints and exits
+            try:
+                proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    out = proc.stdout.read()
+    events = _events(logdir)
+    evals, steps = events.get("eval/success_rate", []), events.get("learner/loss", [])
+    if not evals or not steps:
+        raise SystemExit(f"error: the {mode} run logged no evaluation or step; its output:\n{out[-3000:]}")
+    groups = events["replay/groups_in"][-1].value
+    group_size = json.load(open(os.path.join(logdir, "config.json")))["actor"]["group_size"]
+    span = steps[-1].wall_time - evals[0].wall_time
+    result = {"time_to_target_s": None if reached is None else round(reached, 1),
+              "traj_per_s": round(groups * group_size / span, 2), "rss_mb": round(peak / 2**20),
+              "steps": steps[-1].step, "best_eval": max(e.value for e in evals)}
+    print(f"{mode}: {result}", flush=True)
+    return result
+
+
+def main(args: Args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="tandem-modes-") as root:
+        a = run("async", args, root)
+        c = run("colocated", args, root)
+    both = a["time_to_target_s"] is not None and c["time_to_target_s"] is not None
+    result = {"traj_per_s_async": a["traj_per_s"], "traj_per_s_colocated": c["traj_per_s"],
+              "time_to_target_async_s": a["time_to_target_s"], "time_to_target_colocated_s": c["time_to_target_s"],
+              "rss_async_mb": a["rss_mb"], "rss_colocated_mb": c["rss_mb"],
+              "speedup": round(c["time_to_target_s"] / a["time_to_target_s"], 2) if both else None,
+              "target": args.target, "steps_async": a["steps"], "steps_colocated": c["steps"],
+              "best_eval_async": a["best_eval"], "best_eval_colocated": c["best_eval"], "cores": os.cpu_count()}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
