@@ -189,7 +189,8 @@ class Config:
         if self.colocate and self.actor.engine != "torch":
             raise ValueError("--colocate generates with the torch engine inside each learner rank; vLLM in "
                              "colocated mode (asleep while the learner trains) is not built yet: drop "
-                             "--actor.engine vllm, or run async")
+                             "--actor.engine vllm, or train on-policy with vLLM actors in async mode with "
+                             "--max-staleness 0")
         self._check_template_kwargs()
         from learner.losses import ALGOS, CORRECTIONS
 
