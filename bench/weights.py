@@ -137,7 +137,7 @@ def main(args: Args) -> dict:
     import torch
     import zmq
 
-    from replay.chunks import to_safetensors
+    from replay.tensorblob import to_safetensors
     from replay.weights import Adapter, WeightPublisher
 
     ctx = mp.get_context("spawn")

@@ -34,7 +34,7 @@ import stat
 from pathlib import Path
 
 from replay.arena import ARENA_DIR, host_id, sweep
-from replay.chunks import from_safetensors
+from replay.tensorblob import from_safetensors
 
 log = logging.getLogger("tandem.weights")
 

@@ -55,8 +55,9 @@ import zmq
 from replay import wire
 from replay.arena import host_id
 from replay.chunks import (CHUNK_BYTES, Assembly, BrokenAdapter, ShmNote, read_chunk, read_commit, read_news,
-                           shm_note, split_messages, stream_messages, write_safetensors)
+                           shm_note, split_messages, stream_messages)
 from replay.shm_weights import ShmWriter, read_shm
+from replay.tensorblob import write_safetensors
 from replay.wire import WireError, advertised, pack, unpack
 
 WIRE_DTYPES = (None, "bfloat16", "float16", "float32")

@@ -23,7 +23,7 @@ from replay.log import history
 
 pytestmark = pytest.mark.slow
 
-STEPS = 10
+STEPS = 7
 RUN = ["--actors", "2", "--learners", "2", "--steps", str(STEPS), "--learner.groups-per-step", "4",
        "--eval-episodes", "8", "--checkpoint-every", "3", "--replay.keep-log"]
 
@@ -139,11 +139,11 @@ def run_and_kill(logdir: Path, title: str, versions: tuple[int, int]) -> str:
 
 
 @pytest.mark.parametrize("part, versions, line, counter, count_drops", [
-    ("ray::ActorPart", (1, 6), r"actor-\d died .*restarting it \(1 of 3\)", "actors/restarts", True),
-    ("ray::LearnerPart", (2, 6), r"a learner rank died .*went back to its newest checkpoint \(1 of 2 restarts\)",
+    ("ray::ActorPart", (1, 4), r"actor-\d died .*restarting it \(1 of 3\)", "actors/restarts", True),
+    ("ray::LearnerPart", (2, 4), r"a learner rank died .*went back to its newest checkpoint \(1 of 2 restarts\)",
      "learner/restarts", True),
     # Drops the killed replay counted after its last report are not in TensorBoard: not compared.
-    ("ray::ReplayPart", (1, 6), r"the replay service died .*its log brings back every stored group \(1 of 3\)",
+    ("ray::ReplayPart", (1, 4), r"the replay service died .*its log brings back every stored group \(1 of 3\)",
      "replay/restarts", False),
 ], ids=["actor", "learner-rank", "replay"])
 def test_a_part_killed_mid_run_is_brought_back_and_nothing_is_lost_or_trained_twice(
@@ -169,7 +169,7 @@ def test_a_learner_group_that_dies_past_its_restarts_stops_with_the_resume_comma
 def test_a_killed_driver_leaves_a_run_that_resume_finishes(tmp_path):
     logdir = tmp_path / "run"
     proc = start(*RUN, "--logdir", str(logdir))
-    wait_for_version(proc, logdir, random.randint(2, 5))  # then 4+ steps: the waiting groups are served
+    wait_for_version(proc, logdir, random.randint(2, 3))  # then 4+ steps: the waiting groups are served
     time.sleep(random.uniform(0, 2))
     kill_job(proc)
     before = published(logdir)
@@ -206,7 +206,8 @@ def test_sigterm_checkpoints_and_exits_with_the_command_that_resume_continues(tm
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
-    stopped = re.search(r"stopped at step (\d+) of 10: continue with  python -m launch\.async --resume (\S+)", out)
+    stopped = re.search(rf"stopped at step (\d+) of {STEPS}: continue with  python -m launch\.async --resume (\S+)",
+                        out)
     assert stopped and stopped.group(2) == str(logdir), out[-3000:]
     step = int(stopped.group(1))
     assert 2 <= step < STEPS

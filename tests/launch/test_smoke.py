@@ -52,10 +52,12 @@ def test_async_run_with_six_actors_and_two_learners(tmp_path):
 
 
 def test_async_run_with_vllm_actors(tmp_path):
-    """`--actor.engine vllm` end to end: vLLM's CPU build here, as `.[test]` installs it."""
+    """`--actor.engine vllm` end to end: vLLM's CPU build here, as `.[test]` installs it. One vLLM
+    actor (and the evaluator's engine, a second one in the driver): each engine takes two cores here
+    for most of a minute to start; `--actors 2` for 20 steps is measured in docs/engines.md."""
     pytest.importorskip("vllm", reason="the vLLM engine needs vLLM: pip install -e '.[test]'")
     logdir = tmp_path / "vllm"
-    run = launch("--actor.engine", "vllm", "--actors", "2", "--learners", "1", "--steps", "3",
+    run = launch("--actor.engine", "vllm", "--actors", "1", "--learners", "1", "--steps", "3",
                  "--learner.groups-per-step", "4", "--eval-episodes", "8", "--logdir", str(logdir))
     assert "done: 3 steps" in run.stdout
     scalars = read_scalars(str(logdir))

@@ -121,7 +121,7 @@ def test_files_left_by_dead_publishers_are_swept_and_others_kept():
 def test_a_file_that_is_not_the_announced_one_is_refused(tmp_path):
     writer = ShmWriter(str(tmp_path))
     try:
-        from replay.chunks import write_safetensors
+        from replay.tensorblob import write_safetensors
 
         name = writer.write(write_safetensors(lora(1)))
         size = (tmp_path / name).stat().st_size

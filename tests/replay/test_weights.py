@@ -12,7 +12,8 @@ import torch
 import zmq
 
 from replay import wire
-from replay.chunks import CHUNK, BrokenAdapter, chunk_messages, from_safetensors, to_safetensors
+from replay.chunks import CHUNK, BrokenAdapter, chunk_messages
+from replay.tensorblob import from_safetensors, to_safetensors
 from replay.weights import (DATA, NEWS, Adapter, AdapterUndeliverable, WeightPublisher, WeightSubscriber,
                             decode_adapter, encode_adapter)
 
