@@ -13,7 +13,8 @@ from its TensorBoard events:
 - trajectories per second: trajectories replay received, over the time from the first
   evaluation (version 0, when training starts) to the last step;
 - peak RSS: the most resident memory the job's processes (the driver, Ray, every part) held
-  together, sampled every half second.
+  together, sampled every half second; and peak PSS, the same with each shared page counted
+  once (RSS counts it in every process that maps it).
 
 Ends with one JSON line: traj_per_s_async, traj_per_s_colocated, time_to_target_async_s,
 time_to_target_colocated_s, rss_async_mb, rss_colocated_mb, and speedup = colocated time to
@@ -52,20 +53,41 @@ class Args:
     """More arguments for both runs (e.g. --extra --eval-every 5)."""
 
 
-def _tree_rss(pid: int) -> int:
-    import psutil
+def _descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (Ray's raylet, GCS and workers are the driver's)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
 
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in procs:
+
+def _tree_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) in bytes of `pid`'s process tree. RSS counts a page each process maps (the
+    model a forked worker shares with its parent, a shared-memory file every reader maps) once
+    per process; PSS splits each page among the processes that map it."""
+    rss = pss = 0
+    for p in _descendants(pid):
         try:
-            total += p.memory_info().rss
-        except psutil.Error:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+        except OSError:
             continue
-    return total
+    return rss, pss
 
 
 def _events(logdir: str) -> dict[str, list]:
@@ -86,10 +108,11 @@ def run(mode: str, args: Args, root: str) -> dict:
     started = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    peak, reached, last_read = 0, None, 0.0
+    peak, peak_pss, reached, last_read = 0, 0, None, 0.0
     try:
         while proc.poll() is None and time.time() - started < 60 * args.max_minutes:
-            peak = max(peak, _tree_rss(proc.pid))
+            rss, pss = _tree_memory(proc.pid)
+            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
             time.sleep(0.5)
             if time.time() - last_read > 15 and os.path.isdir(logdir):
                 last_read = time.time()
@@ -116,6 +139,7 @@ def run(mode: str, args: Args, root: str) -> dict:
     span = steps[-1].wall_time - evals[0].wall_time
     result = {"time_to_target_s": None if reached is None else round(reached, 1),
               "traj_per_s": round(groups * group_size / span, 2), "rss_mb": round(peak / 2**20),
+              "pss_mb": round(peak_pss / 2**20),
               "steps": steps[-1].step, "best_eval": max(e.value for e in evals)}
     print(f"{mode}: {result}", flush=True)
     return result
@@ -129,6 +153,7 @@ def main(args: Args) -> dict:
     result = {"traj_per_s_async": a["traj_per_s"], "traj_per_s_colocated": c["traj_per_s"],
               "time_to_target_async_s": a["time_to_target_s"], "time_to_target_colocated_s": c["time_to_target_s"],
               "rss_async_mb": a["rss_mb"], "rss_colocated_mb": c["rss_mb"],
+              "pss_async_mb": a["pss_mb"], "pss_colocated_mb": c["pss_mb"],
               "speedup": round(c["time_to_target_s"] / a["time_to_target_s"], 2) if both else None,
               "target": args.target, "steps_async": a["steps"], "steps_colocated": c["steps"],
               "best_eval_async": a["best_eval"], "best_eval_colocated": c["best_eval"], "cores": os.cpu_count()}
