@@ -124,7 +124,9 @@ class VLLMEngine:
     def __init__(self, model_path: str, lora, device: str = "auto", seed: int = 0, dtype: str = "auto",
                  memory_fraction: float = 0.85, kv_cache_gb: float = 0.0, max_model_len: int | None = None,
                  max_lora_rank: int = 0, max_loras: int = 2, in_flight: str = "finish", threads: int = 1,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, sleep_mode: bool = False) -> None:
+        """`sleep_mode`: the engine can `sleep` (colocated mode, where a learner trains on the same
+        GPU between generations); only where vLLM's platform can (CUDA), see `sleep`."""
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every request at INFO
         try:
             import vllm
@@ -148,6 +150,8 @@ class VLLMEngine:
         self.seed = seed
         self.version = 0
         self.stats: Counter = Counter()
+        self.sleep_mode = sleep_mode and self.cuda and _can_sleep()
+        self.asleep = False
         dtype = dtype if dtype != "auto" else ("bfloat16" if self.cuda else "float32")
         kv_bytes = int(kv_cache_gb * (1 << 30)) if kv_cache_gb > 0 else (None if self.cuda else 1 << 30)
         if not self.cuda:
@@ -165,7 +169,8 @@ class VLLMEngine:
             # raises "CPU Generator does not use offset" and kills the engine). So on CPUs a
             # prompt's prefill is never split across steps.
             enable_chunked_prefill=self.cuda,
-            distributed_executor_backend="uni", enforce_eager=enforce_eager, disable_log_stats=True)
+            distributed_executor_backend="uni", enforce_eager=enforce_eager, disable_log_stats=True,
+            enable_sleep_mode=self.sleep_mode)
         self._shapes = adapter_shapes(model_path, lora)
         shm = Path("/dev/shm")
         self._dir = Path(tempfile.mkdtemp(prefix="tandem-lora-", dir=shm if shm.is_dir() else None))
@@ -240,6 +245,30 @@ class VLLMEngine:
         if v.request is not None:
             await self.llm.remove_lora(v.request.lora_int_id)
             shutil.rmtree(v.path, ignore_errors=True)
+
+    # -- sleeping (colocated mode) ------------------------------------------------
+    def sleep(self) -> bool:
+        """Give the GPU to the learner: vLLM drops its KV cache and moves its weights (the base
+        model and the loaded adapters) to CPU memory (vLLM's sleep level 1; the base weights never
+        change, so they come back as they were). False where the engine cannot sleep (vLLM's CPU
+        build, or `sleep_mode` off): it then keeps its memory. No turn may be running."""
+        if not self.sleep_mode:
+            return False
+        if self._turns:
+            raise RuntimeError(f"the vLLM engine cannot sleep with {len(self._turns)} turns in flight")
+        if not self.asleep:
+            self._call(self.llm.sleep(level=1))
+            self.asleep = True
+            self.stats["sleeps"] += 1
+        return True
+
+    def wake(self) -> None:
+        """Take the GPU back after `sleep` (weights and a fresh KV cache), and empty the prefix
+        cache: no cached key or value may outlive the weights it was computed with."""
+        if self.asleep:
+            self._call(self.llm.wake_up())
+            self.asleep = False
+        self._call(self.llm.reset_prefix_cache())
 
     # -- requests ----------------------------------------------------------------
     def submit(self, key: Hashable, prompt: list[int], params: SamplingParams, seed: int | None = None) -> None:
@@ -406,6 +435,13 @@ def _children() -> list:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def _can_sleep() -> bool:
+    """Whether vLLM's platform here can put an engine to sleep (CUDA can, the CPU build cannot)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
 
 
 def _is_cpu_build() -> bool:

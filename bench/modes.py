@@ -13,8 +13,9 @@ from its TensorBoard events:
 - trajectories per second: trajectories replay received, over the time from the first
   evaluation (version 0, when training starts) to the last step;
 - peak RSS: the most resident memory the job's processes (the driver, Ray, every part) held
-  together, sampled every half second; and peak PSS, the same with each shared page counted
-  once (RSS counts it in every process that maps it).
+  together, sampled every second; and peak PSS, the same with each shared page counted once
+  (RSS counts it in every process that maps it), sampled every 15 s (it costs the kernel a
+  walk of every mapping).
 
 Ends with one JSON line: traj_per_s_async, traj_per_s_colocated, time_to_target_async_s,
 time_to_target_colocated_s, rss_async_mb, rss_colocated_mb, and speedup = colocated time to
@@ -72,22 +73,32 @@ def _descendants(pid: int) -> list[int]:
     return tree
 
 
-def _tree_memory(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) in bytes of `pid`'s process tree. RSS counts a page each process maps (the
-    model a forked worker shares with its parent, a shared-memory file every reader maps) once
-    per process; PSS splits each page among the processes that map it."""
-    rss = pss = 0
-    for p in _descendants(pid):
+def _tree_rss(tree: list[int]) -> int:
+    """RSS in bytes of the processes `tree`: each page a process maps counts once per process
+    that maps it (the model a forked worker shares with its parent, a shared-memory file every
+    reader maps). Cheap (/proc/PID/statm), so it is sampled often."""
+    page, rss = os.sysconf("SC_PAGE_SIZE"), 0
+    for p in tree:
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                rss += int(f.read().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+    return rss
+
+
+def _tree_pss(tree: list[int]) -> int:
+    """PSS in bytes of the processes `tree`: each shared page split among the processes that map
+    it. Costly (the kernel walks every mapping, holding each process's memory lock), so it is
+    sampled rarely, not to slow the run it measures."""
+    pss = 0
+    for p in tree:
         try:
             with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Rss:"):
-                        rss += int(line.split()[1]) * 1024
-                    elif line.startswith("Pss:"):
-                        pss += int(line.split()[1]) * 1024
-        except OSError:
+                pss += sum(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+        except (OSError, IndexError, ValueError):
             continue
-    return rss, pss
+    return pss
 
 
 def _events(logdir: str) -> dict[str, list]:
@@ -111,12 +122,13 @@ def run(mode: str, args: Args, root: str) -> dict:
     peak, peak_pss, reached, last_read = 0, 0, None, 0.0
     try:
         while proc.poll() is None and time.time() - started < 60 * args.max_minutes:
-            rss, pss = _tree_memory(proc.pid)
-            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
-            time.sleep(0.5)
-            if time.time() - last_read > 15 and os.path.isdir(logdir):
+            tree = _descendants(proc.pid)
+            peak = max(peak, _tree_rss(tree))
+            time.sleep(1.0)
+            if time.time() - last_read > 15:
                 last_read = time.time()
-                evals = _events(logdir).get("eval/success_rate", [])
+                peak_pss = max(peak_pss, _tree_pss(tree))
+                evals = _events(logdir).get("eval/success_rate", []) if os.path.isdir(logdir) else []
                 hit = [e for e in evals if e.value >= args.target]
                 if hit:
                     reached = hit[0].wall_time - started

@@ -65,6 +65,8 @@ def main(cfg: Config) -> int:
     torch.set_num_threads(1)
     if cfg.colocate:
         mode = "colocated (η=0): each learner rank generates its share, then trains; --actors is ignored"
+        if cfg.actor.engine == "vllm" and cfg.learner.gpus == 0:
+            mode += " (vLLM's CPU build cannot sleep: each rank holds vLLM's copy of the base weights too)"
     else:
         mode = f"async (η={cfg.staleness_bound})"
     print(f"tandem: {0 if cfg.colocate else cfg.actors} actors, {cfg.learners} learners, {mode}, {cfg.steps} steps, "

@@ -116,10 +116,12 @@ class Config:
     learners: int = 2
     """Learner processes: FSDP ranks (gloo on CPU, NCCL on GPU)."""
     colocate: bool = False
-    """Colocated, strictly on-policy mode: each learner rank generates its share of every batch
-    with its own model (the torch engine on the trainer's weights: one copy of the model per
-    rank), then trains on the batch; generation and training take turns, η is 0, and --actors is
-    ignored (no actor processes run)."""
+    """Colocated, strictly on-policy mode: each learner rank generates its share of every batch on
+    its own devices, then trains on the batch; generation and training take turns, η is 0, and
+    --actors is ignored (no actor processes run). The torch engine generates with the trainer's
+    own weights (one copy of the model per rank); vLLM holds a second copy of the base weights,
+    and on GPUs sleeps while the rank trains (on GPUs, set --actor.memory-fraction to what the
+    learner leaves free)."""
     steps: int = 250
     """Optimizer-step budget: the run ends after this many learner steps."""
     max_minutes: float = 0.0
@@ -186,11 +188,6 @@ class Config:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
         if self.max_staleness < 0:
             raise ValueError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
-        if self.colocate and self.actor.engine != "torch":
-            raise ValueError("--colocate generates with the torch engine inside each learner rank; vLLM in "
-                             "colocated mode (asleep while the learner trains) is not built yet: drop "
-                             "--actor.engine vllm, or train on-policy with vLLM actors in async mode with "
-                             "--max-staleness 0")
         self._check_template_kwargs()
         from learner.losses import ALGOS, CORRECTIONS
 

@@ -210,6 +210,8 @@ class LearnerPart:
             self.learner.save_to(save_dir)
             return version
         finally:
+            if self.colocated is not None:
+                self.colocated.close()  # a colocated vLLM engine's processes end with the rank
             self.learner.close()
 
     def drain_metrics(self) -> list[dict]:

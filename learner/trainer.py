@@ -425,12 +425,16 @@ class Learner:
 
         return Adapter(self.version, self.model_path, self.cfg.lora.to_dict(), self.adapter_tensors(dtype))
 
-    def _publish(self) -> int:
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype engines get the adapter in: a bf16 learner's is bf16 (half the bytes, cast in
+        the snapshot's one copy, which the weight channel then sends from its own memory)."""
         import torch
 
-        # A bf16 learner publishes bf16 (half the bytes), cast in the snapshot's one copy, which
-        # the weight channel then sends from its own memory.
-        adapter = self.adapter(torch.bfloat16 if self.dtype == torch.bfloat16 else None)
+        return torch.bfloat16 if self.dtype == torch.bfloat16 else None
+
+    def _publish(self) -> int:
+        adapter = self.adapter(self.wire_dtype)
         if self.publisher is None:
             return 0
         size = self.publisher.publish(adapter)

@@ -53,6 +53,47 @@ def test_starts_and_samples_with_logprobs_one_request_per_turn(engine, chat):
         engine.submit(("turn", "empty"), [], params)
 
 
+def test_a_colocated_rank_gives_vllm_its_adapter_each_step_and_trains_strictly_on_policy(engine, tiny_model, chat):
+    """`--colocate --actor.engine vllm`, one learner rank in this process with the module's engine
+    (before any other test loads an adapter into it): before each step the rank hands the
+    engine its current adapter, plays its share of the step's groups and trains on them. Every
+    token carries the version the learner trains (staleness 0); on this CPU the engine cannot
+    sleep and says so (False), keeping its memory."""
+    from actors.actor import ActorConfig
+    from envs import make_env
+    from learner.colocate import Colocated
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+    from replay.buffer import ReplayBuffer
+    from replay.client import ZmqReplayClient
+    from replay.server import ReplayServer
+    from tests.learner.test_fsdp import _port
+
+    assert engine.version == 0
+    server = ReplayServer(ReplayBuffer(groups_per_step=2, max_staleness=0), "tcp://127.0.0.1:*")
+    endpoint = server.start()
+    learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=2, lora=LORA), tiny_model, 0, 1,
+                      f"tcp://127.0.0.1:{_port()}", ZmqReplayClient(endpoint), temperature=0.7)
+    try:
+        learner.setup()
+        actor_cfg = ActorConfig(engine="vllm", group_size=2, groups_in_flight=2, max_new_tokens=4)
+        colocated = Colocated(learner, actor_cfg, chat, lambda: make_env("maze", max_steps=3),
+                              ZmqReplayClient(endpoint, actor="learner-0"), share=2, engine=engine)
+        assert not colocated.own_model  # vLLM holds its own copy of the base weights
+        learner.before_step = colocated.generate
+        learner.run(3)
+        metrics, stats = learner.drain_metrics(), colocated.stats()
+    finally:
+        learner.close()
+        server.stop()
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["staleness_max"] == 0.0 and m["generate_s"] > 0 for m in metrics)
+    assert stats["groups"] == 6 and server.buffer.snapshot()["received_groups"] == 6
+    assert engine.version == 2 and engine.stats["adapters_loaded"] == 2  # v1 before step 2, v2 before step 3
+    assert not engine.sleep_mode and engine.sleep() is False and not engine.asleep
+    assert engine.pending == 0
+
+
 def test_greedy_stops_on_a_stop_token_and_is_deterministic(engine, chat):
     prompt = prompts_for(chat, 1)[0]
     a = engine.generate([prompt], SamplingParams(6, chat.stop_ids, temperature=0.0))[0]
@@ -290,3 +331,24 @@ def test_a_vllm_older_than_the_logprob_semantics_is_refused():
     check_vllm_version("0.32.0+cpu")
     with pytest.raises(RuntimeError, match="before temperature"):
         check_vllm_version("0.10.1.1")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_engine_sleeps_while_a_learner_trains_and_wakes_as_it_was(tiny_model, chat):
+    """Colocated vLLM on a GPU: asleep, the engine gives back its KV cache and weights' GPU
+    memory; awake, with the adapter it had, it samples the same greedy tokens as before."""
+    engine = make_engine("vllm", tiny_model, LORA, device="cuda", dtype=DTYPE, max_model_len=1024,
+                         memory_fraction=0.3, sleep_mode=True)
+    try:
+        assert engine.sleep_mode
+        engine.load_adapter(1, random_adapter(tiny_model, LORA, seed=1))
+        prompts, params = prompts_for(chat, 4), SamplingParams(8, chat.stop_ids, temperature=0.0)
+        before = engine.generate(prompts, params)
+        free = torch.cuda.mem_get_info()[0]
+        assert engine.sleep() and engine.asleep
+        assert torch.cuda.mem_get_info()[0] > free + (1 << 30)  # at least the KV cache came back
+        engine.wake()
+        assert not engine.asleep
+        assert [c.tokens for c in engine.generate(prompts, params)] == [c.tokens for c in before]
+    finally:
+        engine.close()

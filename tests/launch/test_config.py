@@ -22,7 +22,6 @@ from replay.server import ReplayConfig
     ({"steps": 0}, "--steps"),
     ({"max_staleness": -1}, "--max-staleness"),
     ({"learners": 3}, "multiple of --learners"),
-    ({"colocate": True, "actor": ActorConfig(engine="vllm")}, "--colocate generates with the torch engine"),
     ({"actor": ActorConfig(engine="vllm", max_lora_rank=16)}, "--actor.max-lora-rank \\(16\\) is below"),
     ({"ray_address": "10.0.0.1:6379", "replay": ReplayConfig(sign=False)}, "frames between nodes are always signed"),
     ({"chat_template_kwargs": "{enable_thinking: false}"}, "--chat-template-kwargs must be a JSON object such as"),

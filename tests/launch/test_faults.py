@@ -186,23 +186,23 @@ def test_a_killed_driver_leaves_a_run_that_resume_finishes(tmp_path):
     assert json.loads((logdir / "checkpoints" / f"step-{STEPS:06d}" / "meta.json").read_text())["step"] == STEPS
 
 
-def test_a_second_job_in_a_running_run_directory_is_refused(tmp_path):
+def test_sigterm_checkpoints_and_exits_with_the_command_that_resume_continues(tmp_path):
+    """A second job started in the running run's directory is refused first; then SIGTERM (as a
+    scheduler sends it) stops the run, and --resume finishes it."""
     logdir = tmp_path / "run"
     proc = start(*RUN, "--logdir", str(logdir))
     try:
-        wait_for_version(proc, logdir, 1)
-        second = subprocess.run([sys.executable, "-m", "launch.async", "--resume", str(logdir)],
-                                capture_output=True, text=True, timeout=300)
-        assert second.returncode == 2
-        assert f"another job is running in {logdir}" in second.stderr, second.stderr[-2000:]
-    finally:
+        while not (logdir / "config.json").exists():  # written once the job holds the directory
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        second = subprocess.Popen([sys.executable, "-m", "launch.async", "--resume", str(logdir)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for_version(proc, logdir, 2)
+        _, err = second.communicate(timeout=300)
+        assert second.returncode == 2 and f"another job is running in {logdir}" in err, err[-2000:]
+    except BaseException:
         kill_job(proc)
-
-
-def test_sigterm_checkpoints_and_exits_with_the_command_that_resume_continues(tmp_path):
-    logdir = tmp_path / "run"
-    proc = start(*RUN, "--logdir", str(logdir))
-    wait_for_version(proc, logdir, 2)
+        raise
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
