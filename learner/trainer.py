@@ -295,12 +295,14 @@ class Learner:
         adapter_bytes = self._publish()
         t3 = time.perf_counter()
         local = step_metrics(batch, live, sums, self.cfg.mini_batches)
-        local.update(lr=self.cfg.lr * factor, wait_s=t1 - t0, train_s=t2 - t1, publish_s=t3 - t2)
+        # idle: each rank's own share of its step spent waiting for the batch, averaged over ranks
+        local.update(lr=self.cfg.lr * factor, wait_s=t1 - t0, train_s=t2 - t1, publish_s=t3 - t2,
+                     idle_fraction=(t1 - t0) / max(t3 - t0, 1e-9))
         if self._generate_s is not None:
             local["generate_s"], self._generate_s = self._generate_s, None
         out = self._reduce(local)
         out.update(step=self.steps_done, version=self.version, adapter_bytes=adapter_bytes,
-                   idle_fraction=out["wait_s"] / max(t3 - t0, 1e-9), time=time.time())
+                   time=time.time())
         if getattr(self, "_checkpoint_s", None) is not None:
             out["checkpoint_s"], self._checkpoint_s = self._checkpoint_s, None
         with self._lock:
