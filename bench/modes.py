@@ -153,6 +153,14 @@ def run(mode: str, args: Args, root: str) -> dict:
               "traj_per_s": round(groups * group_size / span, 2), "rss_mb": round(peak / 2**20),
               "pss_mb": round(peak_pss / 2**20),
               "steps": steps[-1].step, "best_eval": max(e.value for e in evals)}
+
+    def mean(tag: str):
+        values = [e.value for e in events.get(tag, [])]
+        return round(sum(values) / len(values), 3) if values else None
+
+    # where a step's time goes: training, waiting for the batch, generating (colocated)
+    result.update(train_s=mean("perf/learner_train_s"), idle=mean("perf/learner_idle_fraction"),
+                  generate_share=mean("colocate/generate_share"))
     print(f"{mode}: {result}", flush=True)
     return result
 
@@ -168,7 +176,9 @@ def main(args: Args) -> dict:
               "pss_async_mb": a["pss_mb"], "pss_colocated_mb": c["pss_mb"],
               "speedup": round(c["time_to_target_s"] / a["time_to_target_s"], 2) if both else None,
               "target": args.target, "steps_async": a["steps"], "steps_colocated": c["steps"],
-              "best_eval_async": a["best_eval"], "best_eval_colocated": c["best_eval"], "cores": os.cpu_count()}
+              "best_eval_async": a["best_eval"], "best_eval_colocated": c["best_eval"],
+              "train_s_async": a["train_s"], "train_s_colocated": c["train_s"], "idle_async": a["idle"],
+              "generate_share_colocated": c["generate_share"], "cores": os.cpu_count()}
     print(json.dumps(result))
     return result
 
