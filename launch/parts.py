@@ -181,7 +181,7 @@ class LearnerPart:
     def _colocate(self) -> None:
         """Colocated mode: this rank plays its share of every step's groups before the step."""
         from envs import make_env
-        from learner.colocate import Colocated
+        from launch.colocate import Colocated
         from replay.client import ZmqReplayClient
 
         cfg = self.cfg

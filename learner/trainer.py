@@ -76,7 +76,7 @@ class Learner:
         self.weight_ports, self.host_key = weight_ports, host_key
         self.before_step = None
         """Called before each step of `run` on every rank (colocated mode: generate the step's
-        groups, learner/colocate.py); its seconds are the step's `generate_s`."""
+        groups, launch/colocate.py); its seconds are the step's `generate_s`."""
         self._generate_s = None
         self.base_config = base_config
         """A transformers config to build a randomly initialised base of that shape from, instead of

@@ -61,7 +61,7 @@ def test_a_colocated_rank_gives_vllm_its_adapter_each_step_and_trains_strictly_o
     sleep and says so (False), keeping its memory."""
     from actors.actor import ActorConfig
     from envs import make_env
-    from learner.colocate import Colocated
+    from launch.colocate import Colocated
     from learner.config import LearnerConfig
     from learner.trainer import Learner
     from replay.buffer import ReplayBuffer

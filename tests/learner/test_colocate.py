@@ -76,7 +76,7 @@ def _loop_rank(rank, url, model_path, endpoint, out):
 
     from actors.actor import ActorConfig
     from envs import make_env
-    from learner.colocate import Colocated
+    from launch.colocate import Colocated
     from learner.config import LearnerConfig
     from learner.trainer import Learner
     from policy.chat import Chat

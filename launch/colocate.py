@@ -1,0 +1,128 @@
+"""Colocated mode (`--colocate`): each learner rank is also its own actor.
+
+Before each optimizer step every rank plays its share of the step's groups with its current
+weights and pushes them to replay; the step then trains on them (strictly on-policy). This
+module joins the two parts, as launch/ may (learner/ and actors/ never import each other):
+the learner's `generating` (learner/colocate.py) makes a sharded model usable for generation,
+the actor's loop (actors/actor.py) plays the episodes.
+"""
+
+from __future__ import annotations
+
+from learner.colocate import generating
+
+
+class _Quota:
+    """The actor side of replay for a colocated rank: pushes go to replay as any actor's, but
+    credits are the rank's share of the current step's batch, granted here (replay's admission
+    bounds how far actors run ahead of the learner; a colocated rank never does)."""
+
+    def __init__(self, replay, version) -> None:
+        self.replay, self.version = replay, version
+        self.left = self.wanted = 0
+
+    def hello(self) -> None:
+        self.replay.hello()
+
+    def request_credit(self) -> None:
+        self.wanted += 1
+
+    def credits(self, timeout: float = 0.0) -> list[int]:
+        n = min(self.wanted, self.left)
+        self.wanted, self.left = self.wanted - n, self.left - n
+        return [self.version()] * n
+
+    def send(self, group) -> None:
+        self.replay.send(group)
+
+    def flush(self, timeout: float) -> None:
+        self.replay.flush(timeout=timeout)
+
+
+class _Own:
+    """The weights of a colocated rank's engine: the trainer's own, never sent anywhere."""
+
+    def poll(self):
+        return None
+
+    def wait(self, timeout: float):
+        return None
+
+    def latest(self, timeout: float):
+        return None
+
+
+class Colocated:
+    """A learner rank's own actor. Before each optimizer step (`Learner.before_step`) it plays
+    the rank's share of the step's groups on the rank's engine, as an actor would (environments
+    on threads, with time limits; a failing environment ends its episode only), and pushes them
+    to replay; the step then trains on them: strictly on-policy.
+
+    The engine is the torch engine on the rank's own model (`--actor.engine torch`: one copy of
+    the model) or vLLM (`--actor.engine vllm`), which holds its own copy of the base weights on
+    the rank's device: it is given the current adapter before each generation and, on GPUs, sleeps
+    while the learner trains (its KV cache dropped, its weights moved to CPU memory) and wakes,
+    its prefix cache emptied, for the next.
+
+    Usage::
+
+        colocated = Colocated(learner, cfg.actor, chat, make_env, actor_replay, share, seed)
+        learner.before_step = colocated.generate
+    """
+
+    def __init__(self, learner, actor_cfg, chat, make_env, replay, share: int, seed: int = 0, engine=None) -> None:
+        """`engine`: a vLLM engine to generate with (tests share one); by default the one
+        `actor_cfg.engine` names, on the learner's device."""
+        from actors.actor import Actor
+
+        self.learner, self.share = learner, share
+        if engine is None:
+            engine = _engine(learner, actor_cfg, seed)
+        self.own_model = getattr(engine, "model", None) is learner.model
+        self.credits = _Quota(replay, lambda: learner.version)
+        self.actor = Actor(actor_cfg, f"learner-{learner.rank}", engine, chat, make_env, self.credits, _Own(),
+                           seed=seed)
+
+    def generate(self) -> None:
+        """Play this rank's share of the next step's groups with the current weights; every rank
+        must call it together (gathering the model's weights, or the adapter, is collective)."""
+        import threading
+
+        engine, learner = self.actor.engine, self.learner
+        self.credits.left = self.share
+        if self.own_model:
+            engine.version = learner.version  # the weights are the trainer's as they stand
+            engine.reset_cache()  # no key or value of the weights before this step's update
+            with generating(learner.model):
+                self.actor.run(threading.Event(), max_groups=self.share)
+            return
+        tensors = learner.adapter_tensors(learner.wire_dtype)  # collective: before the ranks' work differs
+        engine.wake()
+        try:
+            if learner.version > engine.version:
+                engine.load_adapter(learner.version, tensors)
+            elif learner.version < engine.version:
+                raise RuntimeError(f"the colocated engine has adapter v{engine.version}, newer than the "
+                                   f"learner's v{learner.version}")
+            self.actor.run(threading.Event(), max_groups=self.share)
+        finally:
+            engine.sleep()
+
+    def stats(self) -> dict:
+        return self.actor.stats()
+
+    def close(self) -> None:
+        if not self.own_model:
+            self.actor.engine.close()
+
+
+def _engine(learner, actor_cfg, seed: int):
+    """The colocated rank's engine: the torch engine on the rank's own model, or vLLM on the
+    rank's device, able to sleep."""
+    from actors.engine import TorchEngine, make_engine
+
+    if actor_cfg.engine == "torch":
+        return TorchEngine(learner.model_path, learner.cfg.lora, device=str(learner.device), seed=seed,
+                           model=learner.model)
+    return make_engine(actor_cfg.engine, learner.model_path, learner.cfg.lora, device=learner.device.type,
+                       seed=seed, sleep_mode=True, **actor_cfg.engine_options())
