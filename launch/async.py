@@ -110,7 +110,8 @@ def main(cfg: Config) -> int:
         fleet = Fleet(lambda i: Actor.options(**actor_options(cfg)).remote(cfg, model_path, i, endpoint, weights, key),
                       0 if cfg.colocate else cfg.actors, cfg.actor.restarts)  # calls run() on each
         if joining:
-            names = ["replay", *(f"learner-{r}" for r in range(cfg.learners)), *(f"actor-{i}" for i in range(len(fleet.actors)))]
+            names = ["replay", *(f"learner-{r}" for r in range(cfg.learners)),
+                     *(f"actor-{i}" for i in range(len(fleet.actors)))]
             rows = ray.get([p.where.remote() for p in (replay.handle, *learners.ranks, *fleet.actors)], timeout=600)
             print(cluster.table(list(zip(names, rows)), cluster.where()), flush=True)
         _monitor(cfg, model_path, board, replay, learners, weights, key, started, fleet)

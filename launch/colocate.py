@@ -85,7 +85,7 @@ class Colocated:
 
     def generate(self) -> None:
         """Play this rank's share of the next step's groups with the current weights; every rank
-        must call it together (gathering the model's weights, or the adapter, is collective)."""
+        must call it together (gathering the model's weights is collective)."""
         import threading
 
         engine, learner = self.actor.engine, self.learner
@@ -96,14 +96,14 @@ class Colocated:
             with generating(learner.model):
                 self.actor.run(threading.Event(), max_groups=self.share)
             return
-        tensors = learner.adapter_tensors(learner.wire_dtype)  # collective: before the ranks' work differs
+        adapter = learner.published  # the snapshot each rank took when it published this version
         engine.wake()
         try:
-            if learner.version > engine.version:
-                engine.load_adapter(learner.version, tensors)
-            elif learner.version < engine.version:
+            if adapter.version > engine.version:
+                engine.load_adapter(adapter.version, adapter.tensors)
+            elif adapter.version < engine.version:
                 raise RuntimeError(f"the colocated engine has adapter v{engine.version}, newer than the "
-                                   f"learner's v{learner.version}")
+                                   f"learner's v{adapter.version}")
             self.actor.run(threading.Event(), max_groups=self.share)
         finally:
             engine.sleep()

@@ -78,6 +78,9 @@ class Learner:
         """Called before each step of `run` on every rank (colocated mode: generate the step's
         groups, launch/colocate.py); its seconds are the step's `generate_s`."""
         self._generate_s = None
+        self.published = None
+        """The snapshot of the current version `_publish` took on this rank (read it, never change it:
+        the weight channel sends from its memory)."""
         self.base_config = base_config
         """A transformers config to build a randomly initialised base of that shape from, instead of
         loading `model_path`'s weights (benchmarks of model sizes without a checkpoint); None normally."""
@@ -437,6 +440,7 @@ class Learner:
 
     def _publish(self) -> int:
         adapter = self.adapter(self.wire_dtype)
+        self.published = adapter  # every rank's snapshot of its current version (colocated vLLM loads it)
         if self.publisher is None:
             return 0
         size = self.publisher.publish(adapter)
