@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import tyro
 
+from bench import ratio, sig
+
 VARIANTS = {"off": ["--checkpoint-every", "0"],
             "checkpoints": ["--checkpoint-every", "10", "--replay.no-log"],
             "both": []}
@@ -67,12 +69,12 @@ def main(args: Args) -> dict:
                 saves += s
                 print(f"round {r + 1} {name:<12} {per_step:.3f} s/step", flush=True)
     mean = {k: sum(v) / len(v) for k, v in results.items()}
-    out = {"step_s_off": round(mean["off"], 3), "step_s_checkpoints": round(mean["checkpoints"], 3),
-           "step_s_both": round(mean["both"], 3),
-           "overhead_checkpoints": round(mean["checkpoints"] / mean["off"], 3),
-           "overhead_both": round(mean["both"] / mean["off"], 3),
-           "overhead_log": round(mean["both"] / mean["checkpoints"], 3),
-           "checkpoint_s": round(sum(saves) / len(saves), 3) if saves else None}
+    out = {"step_s_off": sig(mean["off"]), "step_s_checkpoints": sig(mean["checkpoints"]),
+           "step_s_both": sig(mean["both"]),
+           "overhead_checkpoints": ratio(mean["checkpoints"], mean["off"]),
+           "overhead_both": ratio(mean["both"], mean["off"]),
+           "overhead_log": ratio(mean["both"], mean["checkpoints"]),
+           "checkpoint_s": sig(sum(saves) / len(saves)) if saves else None}
     print(json.dumps(out), flush=True)
     return out
 

@@ -34,6 +34,8 @@ import subprocess
 import sys
 import time
 
+from bench import sig
+
 CHECKS = ("step_0.5b", "8b", "8b_ac", "parity")
 
 SHAPES = {
@@ -115,7 +117,7 @@ def learner_steps(config, device: str, rows: int, tokens: int, warmup: int, step
     loss = float(metrics["loss"])
     if loss != loss or abs(loss) == float("inf"):
         raise RuntimeError(f"the step's loss is {loss}")
-    return {"step_s": round(sum(times) / len(times), 4), "peak_gb": None if peak_gb is None else round(peak_gb, 3),
+    return {"step_s": sig(sum(times) / len(times)), "peak_gb": None if peak_gb is None else round(peak_gb, 3),
             "setup_gb": round(setup_gb, 3) if cuda else None, "loss": loss,
             "params_m": round(sum(p.numel() for p in learner.model.parameters()) / 1e6, 1)}
 

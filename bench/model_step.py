@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from bench import ratio, sig
+
 VARIANTS = ("chunked", "unchunked")
 
 
@@ -149,8 +151,8 @@ def child(args: argparse.Namespace) -> dict:
     finally:
         learner.close()
     return {"variant": args.child, "logit_chunk": chunk, "peak_rss_mb": round(peak_mb, 1),
-            "setup_rss_mb": round(setup_mb, 1), "step_s": round(sum(times) / len(times), 3),
-            "train_s": round(metrics["train_s"], 3), "loss": metrics["loss"], "peak_scope": scope}
+            "setup_rss_mb": round(setup_mb, 1), "step_s": sig(sum(times) / len(times)),
+            "train_s": sig(metrics["train_s"]), "loss": metrics["loss"], "peak_scope": scope}
 
 
 def _run_child(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "peak_rss_mb_chunked": c["peak_rss_mb"], "peak_rss_mb_unchunked": u["peak_rss_mb"],
         "step_s_chunked": c["step_s"], "step_s_unchunked": u["step_s"],
-        "peak_ratio": round(u["peak_rss_mb"] / c["peak_rss_mb"], 3), "step_ratio": round(u["step_s"] / c["step_s"], 3),
+        "peak_ratio": ratio(u["peak_rss_mb"], c["peak_rss_mb"]), "step_ratio": ratio(u["step_s"], c["step_s"]),
         "setup_rss_mb_chunked": c["setup_rss_mb"], "setup_rss_mb_unchunked": u["setup_rss_mb"],
         "loss_chunked": c["loss"], "loss_unchunked": u["loss"], "peak_scope": c["peak_scope"],
         "rows": args.rows, "tokens": args.tokens, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import tyro
 
+from bench import ratio, sig
+
 
 @dataclass
 class Args:
@@ -196,9 +198,9 @@ def main(args: Args) -> dict:
         print(f"{name:<36}{rate:>10.0f}{rate * size / 1e6:>9.0f}{rate / raw:>8.2f}{shm:>9.0%}   "
               + " ".join(f"{r:.0f}" for r in runs))
     ours, durable, sock, sock_durable = (median[name][0] for name, _, _ in paths)
-    result = {"groups_per_s": round(ours, 1), "raw_groups_per_s": round(raw, 1), "ratio": round(ours / raw, 3),
-              "groups_per_s_durable": round(durable, 1), "ratio_durable": round(durable / raw, 3),
-              "ratio_socket": round(sock / raw, 3), "ratio_durable_socket": round(sock_durable / raw, 3)}
+    result = {"groups_per_s": sig(ours), "raw_groups_per_s": sig(raw), "ratio": ratio(ours, raw),
+              "groups_per_s_durable": sig(durable), "ratio_durable": ratio(durable, raw),
+              "ratio_socket": ratio(sock, raw), "ratio_durable_socket": ratio(sock_durable, raw)}
     print(json.dumps(result))
     return result
 

@@ -30,6 +30,8 @@ from typing import Literal
 import numpy as np
 import tyro
 
+from bench import TICK, ratio, sig
+
 
 @dataclass
 class Args:
@@ -224,14 +226,14 @@ def main(args: Args) -> dict:
                         ("weight channel (publish to all decoded)", "channel"), ("  of which publish()", "publish"),
                         ("weight channel, socket path (shm=False)", "socket"),
                         ("  of which publish()", "publish_socket")):
-        rate = size * args.subscribers / med[name] / 1e9 if not name.startswith("publish") else float("nan")
-        print(f"{label:<50}{med[name]:>9.3f}{rate:>10.2f}   " + " ".join(f"{t:.3f}" for t in times[name]))
+        rate = size * args.subscribers / max(med[name], TICK) / 1e9 if not name.startswith("publish") else float("nan")
+        print(f"{label:<50}{med[name]:>9.4g}{rate:>10.2f}   " + " ".join(f"{t:.4g}" for t in times[name]))
     result = {"subscribers": args.subscribers, "dtype": args.dtype, "adapter_bytes": size, "tensors": len(shapes),
-              "chunk_mib": args.chunk_mib, "signed": args.signed, "channel_s": round(med["channel"], 3),
-              "publish_s": round(med["publish"], 3), "socket_s": round(med["socket"], 3),
-              "bare_s": round(med["bare"], 3), "bare_blake3_s": round(med["hashed"], 3),
-              "ratio": round(med["bare"] / med["channel"], 3), "ratio_socket": round(med["bare"] / med["socket"], 3),
-              "ratio_floor": round(med["hashed"] / med["socket"], 3),
+              "chunk_mib": args.chunk_mib, "signed": args.signed, "channel_s": sig(med["channel"]),
+              "publish_s": sig(med["publish"]), "socket_s": sig(med["socket"]),
+              "bare_s": sig(med["bare"]), "bare_blake3_s": sig(med["hashed"]),
+              "ratio": ratio(med["bare"], med["channel"]), "ratio_socket": ratio(med["bare"], med["socket"]),
+              "ratio_floor": ratio(med["hashed"], med["socket"]),
               "subscribers_reading_shm": local["channel"][-1],
               "subscribers_reading_shm_socket_path": local["socket"][-1]}
     print(json.dumps(result))

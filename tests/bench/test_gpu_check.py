@@ -2,6 +2,7 @@
 (the same code path, gloo instead of NCCL), and in full where there is a GPU."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ def test_the_checks_run_on_tiny_shapes_on_the_cpu():
     assert code == 0, out[-3000:]
     assert result["ok"] and result["tiny"] and not result["gpu"]
     for check in ("step_0.5b", "8b", "8b_ac"):
-        assert result[check]["step_s"] > 0 and result[check]["params_m"] > 0, check
+        assert 0 <= result[check]["step_s"] < math.inf and result[check]["params_m"] > 0, check
         assert result[check]["peak_gb"] is None  # no CUDA allocator to ask on the CPU
     # the same step with and without activation checkpointing: the same loss
     assert result["8b"]["loss"] == pytest.approx(result["8b_ac"]["loss"], rel=1e-4)
