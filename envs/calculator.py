@@ -19,6 +19,7 @@ Design decisions:
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -59,10 +60,15 @@ class Problem:
         return self.text
 
 
+_OWN = Limits(time_limit_s=math.inf)
+"""A task's own expression is ours, not the model's: no time limit (a loaded machine that paused
+the thread for 0.1 s made the task's answer an environment error)."""
+
+
 def make_problem(rng: np.random.Generator) -> Problem:
     text, expr, ranges = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
     values = {k: int(rng.integers(lo, hi + 1)) for k, (lo, hi) in zip("abcd", ranges)}
-    answer = evaluate(expr.format(**values))
+    answer = evaluate(expr.format(**values), _OWN)
     return Problem(text.format(**values), int(answer))
 
 

@@ -112,6 +112,20 @@ def test_calculator_tool_then_answer():
     assert (r, term) == (1.0, True)
 
 
+def test_a_calculator_task_is_drawn_however_slowly_the_machine_runs(monkeypatch):
+    """The task's own arithmetic has no time limit: on a loaded machine a reset paused past 0.1 s
+    was an environment error. The model's expressions keep theirs."""
+    import envs.arith
+
+    clock = itertools.count(step=1.0)  # every look at the clock: one more second gone
+    monkeypatch.setattr(envs.arith.time, "monotonic", lambda: float(next(clock)))
+    env = CalculatorEnv(max_turns=4)
+    obs, _ = env.reset(seed=3)
+    assert "calc: <expression>" in obs[0]["content"]
+    obs, _, term, _, _ = env.step("calc: (1 + 2) * 3")
+    assert obs[0]["content"].startswith("calc error: evaluation took longer than") and not term
+
+
 @pytest.mark.parametrize("call", [
     "calc: __import__('os').system('touch pwned')",
     "calc: open('/etc/passwd').read()",
