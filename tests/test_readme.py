@@ -62,8 +62,8 @@ def test_example_passes_the_checker_and_plays(guess):
     assert len(held) == 64 and not held & {env.reset(seed=s) and env.secret for s in range(500)}
 
 
-@pytest.mark.slow
 def test_example_trains_with_the_main_job(guess, tmp_path):
+    """The fast tier's one whole job (real Ray, processes, sockets): the README's own example."""
     run = subprocess.run([sys.executable, "-m", "launch.async", "--env", "guess:GuessEnv", "--steps", "2",
                           "--actors", "2", "--learners", "1", "--eval-episodes", "4",
                           "--learner.groups-per-step", "2", "--actor.group-size", "4",

@@ -12,6 +12,8 @@ from actors.engine import RequestEngine, SamplingParams, TorchEngine, make_engin
 from bench.parity import compare, learner_logprobs, prompts_for, random_adapter
 from policy.load import LoraSpec
 
+pytestmark = pytest.mark.slow  # a vLLM engine (its CPU build) starts for this module: `pytest -m slow`
+
 pytest.importorskip("vllm", reason="the vLLM engine tests need vLLM: pip install -e '.[test]'")
 
 LORA = LoraSpec(rank=8)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # whole processes of a job or a benchmark: `pytest -m slow`
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

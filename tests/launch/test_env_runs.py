@@ -1,42 +1,87 @@
-"""Short runs of the main job on every built-in environment and a skyrl-gym one, as a user would
-start them (subprocesses, real Ray, real TensorBoard files; the untrained tiny policy)."""
+"""Every built-in environment and a skyrl-gym one, run as the job runs them but in one process:
+the job's config gives the environment's flags and the chat; a real actor (torch engine, the
+untrained tiny policy, environments on its threads) plays groups into replay; a real world-1
+learner (gloo) trains a step on them and publishes the adapter over its weight channel, which the
+actor applies. No signal or process boundary is under test here; the whole job with subprocesses
+and Ray: tests/launch/test_smoke.py."""
 
 import json
-import subprocess
-import sys
+import math
+import socket
+import threading
 
 import pytest
 
-from launch.plot import read_scalars
+from actors.actor import Actor
+from actors.engine import make_engine
+from envs import make_env
+from launch.config import Config
+from learner.trainer import Learner
+from replay.buffer import ReplayBuffer
+from replay.client import LocalReplay
+from replay.weights import WeightSubscriber
 
-pytestmark = pytest.mark.slow
-
-SMALL = ("--actors", "2", "--learners", "1", "--steps", "2", "--eval-episodes", "4",
-         "--learner.groups-per-step", "2", "--actor.group-size", "4")
+GROUPS, GROUP_SIZE = 2, 4
 
 
-def launch(logdir, *args):
-    run = subprocess.run([sys.executable, "-m", "launch.async", *SMALL, "--logdir", str(logdir), *args],
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "done: 2 steps" in run.stdout
-    scalars = read_scalars(str(logdir))
-    for tag in ("eval/success_rate", "rollout/reward_mean", "learner/loss", "rollout/env_errors"):
-        assert tag in scalars, tag
-    return scalars
+def free_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def play_and_train(cfg: Config, model: str) -> tuple[dict, dict]:
+    """Two groups played with the learner's v0, one learner step on them, then more with
+    v1: the actor's stats and the step's metrics."""
+    buffer = ReplayBuffer(groups_per_step=GROUPS, max_staleness=cfg.max_staleness)
+    learner = Learner(cfg.learner, model, 0, 1, free_url(), LocalReplay(buffer, actor="learner-0"),
+                      temperature=cfg.actor.temperature, algo=cfg.algo, correction=cfg.correction, horizon=2)
+    subscriber = None
+    try:
+        endpoints = learner.setup()
+        subscriber = WeightSubscriber(endpoints)
+        engine = make_engine(cfg.actor.engine, model, cfg.learner.lora, device="cpu", seed=0,
+                             **cfg.actor.engine_options())
+        kwargs = cfg.env_kwargs()
+        actor = Actor(cfg.actor, "actor-0", engine, cfg.chat(model), lambda: make_env(cfg.env, **kwargs),
+                      LocalReplay(buffer, actor="actor-0"), subscriber)
+        actor.run(threading.Event(), max_groups=GROUPS)
+        metrics = learner.step()
+        actor.run(threading.Event(), max_groups=1)  # applies v1 first
+        return actor.stats(), metrics
+    finally:
+        if subscriber is not None:
+            subscriber.close()
+        learner.close()
+
+
+def config(env: str, *flags: str) -> Config:
+    import tyro
+
+    return tyro.cli(Config, args=["--env", env, "--learner.groups-per-step", str(GROUPS),
+                                  "--actor.group-size", str(GROUP_SIZE), "--actor.groups-in-flight", str(GROUPS),
+                                  *flags])
+
+
+def check(stats: dict, metrics: dict) -> None:
+    assert stats["groups"] > GROUPS and stats["trajectories"] == stats["groups"] * GROUP_SIZE
+    assert stats["version"] == 1 and stats["adapters_applied"] >= 1  # the learner's step reached the actor
+    assert stats.get("finish/env_error", 0) == 0, stats
+    assert math.isfinite(metrics["loss"])
 
 
 @pytest.mark.parametrize("env", ["countdown", "sql", "calculator"])
-def test_built_in_environment_runs(env, tmp_path):
-    scalars = launch(tmp_path / env, "--env", env)
-    assert all(v == 0 for _, v in scalars["rollout/env_errors"])
+def test_built_in_environment_runs(env, tiny_model):
+    stats, metrics = play_and_train(config(env), tiny_model)
+    check(stats, metrics)
 
 
-def test_skyrl_gym_environment_runs(tmp_path):
+def test_skyrl_gym_environment_runs(tmp_path, tiny_model):
     pytest.importorskip("skyrl_gym")
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}? End with '#### <answer>'."}],
              "env_class": "gsm8k", "reward_spec": {"method": "rule", "ground_truth": str(2 * i)}}
             for i in range(40)]
     tasks = tmp_path / "gsm8k.jsonl"
     tasks.write_text("\n".join(json.dumps(r) for r in rows))
-    launch(tmp_path / "skyrl", "--env", "skyrl:gsm8k", "--skyrl.tasks", str(tasks))
+    stats, metrics = play_and_train(config("skyrl:gsm8k", "--skyrl.tasks", str(tasks)), tiny_model)
+    check(stats, metrics)

@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.slow  # whole processes of a job or a benchmark: `pytest -m slow`
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,0 +1,108 @@
+"""Parts that die past their restarts, as the driver sees them (launch/fleet.py, launch/supervise.py):
+real Ray, real processes SIGKILLed; each part's place is taken by a small Ray actor that loops
+until it is killed, so that no whole job is needed to reach the driver's decision. The job
+itself, with its parts killed: tests/launch/test_faults.py."""
+
+import importlib
+import os
+import signal
+import time
+
+import pytest
+
+from launch.config import Config
+from launch.fleet import Fleet
+from launch.supervise import GroupFailed, LearnerGroup
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+class Looping:
+    """Stands where an actor or a learner rank stands: its long call runs until the process dies."""
+
+    def __init__(self) -> None:
+        self.resumed = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self) -> None:
+        while True:
+            time.sleep(1)
+
+    # a learner rank's calls (LearnerGroup.start, check)
+    def rendezvous(self) -> str:
+        return "tcp://127.0.0.1:1"
+
+    def setup(self, dist_url: str, resume: bool, ports: tuple) -> tuple[str, str]:
+        self.resumed = resume
+        return ("tcp://127.0.0.1:2", "tcp://127.0.0.1:3")
+
+    def train(self) -> None:
+        self.run()
+
+    def where(self) -> dict:
+        return {"resumed": self.resumed}
+
+
+def sigkill(ray, handle) -> None:
+    os.kill(ray.get(handle.pid.remote(), timeout=60), signal.SIGKILL)
+
+
+def lines_until(check, deadline_s: float = 120) -> list[str]:
+    """`check()` polled until it says something (or raises)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        lines = check()
+        if lines:
+            return lines
+        time.sleep(0.2)
+    raise AssertionError(f"nothing happened in {deadline_s} s")
+
+
+def test_an_actor_that_dies_past_its_restarts_stops_the_run_with_a_message(ray_local):
+    part = ray_local.remote(Looping).options(num_cpus=0, max_concurrency=4)  # pid() answers while run() loops
+    fleet = Fleet(lambda i: part.remote(), 2, restarts=1)
+    try:
+        sigkill(ray_local, fleet.actors[1])
+        assert lines_until(fleet.check)[0].startswith("actor-1 died (")
+        assert fleet.restarts == [0, 1]
+        sigkill(ray_local, fleet.actors[1])  # the new process, killed too: past --actor.restarts 1
+        with pytest.raises(RuntimeError, match=r"^actor-1 died after 1 restart\(s\), the most --actor.restarts 1 "
+                                               r"allows"):
+            lines_until(fleet.check)
+    finally:
+        for a in fleet.actors:
+            ray_local.kill(a)
+
+
+def test_a_learner_group_that_dies_past_its_restarts_stops_with_the_resume_command(ray_local):
+    rank = ray_local.remote(Looping).options(num_cpus=0, max_concurrency=4)  # pid() answers while run() loops
+    group = LearnerGroup(lambda r: rank.remote(), 2, restarts=1)
+    try:
+        assert group.start() == ("tcp://127.0.0.1:2", "tcp://127.0.0.1:3")
+        sigkill(ray_local, group.ranks[1])
+        line = lines_until(group.check)[0]
+        assert "the learner group went back to its newest checkpoint (1 of 1 restarts)" in line, line
+        # a whole new group, every rank loading the newest checkpoint
+        assert [ray_local.get(r.where.remote(), timeout=60)["resumed"] for r in group.ranks] == [True, True]
+        sigkill(ray_local, group.ranks[0])
+        with pytest.raises(GroupFailed, match=r"^a learner rank died after 1 restart\(s\) of the learner group, the "
+                                              r"most --learner.restarts 1 allows"):
+            lines_until(group.check)
+    finally:
+        for r in group.ranks:
+            ray_local.kill(r)
+    # what the driver prints beside GroupFailed (launch/async.py): the exact command that continues the run
+    resume_command = importlib.import_module("launch.async").resume_command
+    assert resume_command(Config(logdir="/tmp/runs/my run")) == "python -m launch.async --resume '/tmp/runs/my run'"
