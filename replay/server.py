@@ -37,8 +37,8 @@ from replay.buffer import Entry, ReplayBuffer
 from replay.checker import Checker
 from replay.log_writer import LogWriter
 from replay.wake import drain
-from replay.wire import (MAX_FRAME, Ack, Credit, Hello, Ping, Push, Request, Sample, Stats,
-                         WireError, advertised, decode_request, pack_parts)
+from replay.requests import Ack, Credit, Hello, Ping, Push, Request, Sample, Stats, decode_request
+from replay.wire import MAX_FRAME, WireError, advertised, pack_parts
 
 
 @dataclass

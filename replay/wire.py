@@ -28,7 +28,7 @@ import itertools
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgpack
 import msgspec
@@ -51,65 +51,6 @@ class WireError(ValueError):
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
-MAX_CREDITS = 4096
-"""Most credits one request may ask for."""
-
-
-class Request(msgspec.Struct, tag_field="type", frozen=True, kw_only=True):
-    """A request to the replay service; `type` selects the subclass. Fields the schema does not
-    name are ignored (a newer peer may add some)."""
-
-    v: int
-    id: int = -1
-    blobs: int = 0
-
-
-class Hello(Request, tag="hello", frozen=True):
-    actor: Name
-    arena: Annotated[str, msgspec.Meta(max_length=128)] | None = None
-    """The actor's shared-memory arena, offered for groups on one host (replay/arena.py)."""
-    token: Name | None = None
-    host: Annotated[str, msgspec.Meta(max_length=256)] | None = None
-
-
-class Ping(Request, tag="ping", frozen=True):
-    pass
-
-
-class Credit(Request, tag="credit", frozen=True):
-    actor: Name
-    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CREDITS)] = 1
-
-
-class Push(Request, tag="push", frozen=True):
-    shm: tuple[Annotated[str, msgspec.Meta(max_length=128)], Count, Count] | None = None
-    """[arena, offset, length] of the group in the actor's arena; None: the group is blob 0."""
-
-
-class Sample(Request, tag="sample", frozen=True):
-    step: Count
-    rank: Count
-    version: Count
-    acked: Annotated[list[tuple[Count, Count]], msgspec.Meta(max_length=64)] = []
-    """[step, rank] acks the client sent but has no answer to: consumed by this request."""
-    host: Annotated[str, msgspec.Meta(max_length=256)] | None = None
-
-
-class Ack(Request, tag="ack", frozen=True):
-    step: Count
-    rank: Count
-
-
-class Stats(Request, tag="stats", frozen=True):
-    pass
-
-
-REQUESTS = (Hello, Ping, Credit, Push, Sample, Ack, Stats)
-_REQUEST = msgspec.msgpack.Decoder(Union[REQUESTS])  # noqa: UP007 (a runtime tuple of types)
-
-
-class _Id(msgspec.Struct):
-    id: int = -1
 
 
 class GroupHeader(msgspec.Struct, frozen=True):
@@ -234,7 +175,7 @@ def unpack(frame: bytes, types: tuple[str, ...] | None = None, *, key: bytes | N
     return obj
 
 
-def _mac(key: bytes, parts: list) -> bytes:
+def parts_mac(key: bytes, parts: list) -> bytes:
     mac = hmac.new(key, digestmod=hashlib.sha256)
     for part in parts:
         view = memoryview(part)
@@ -248,7 +189,7 @@ def pack_parts(msg_type: str, blobs: list = (), *, key: bytes | None = None, **f
     ZeroMQ sends without copying. With a key, a first frame holds the HMAC-SHA256 of all the others."""
     header = msgpack.packb({"v": SCHEMA, "type": msg_type, "blobs": len(blobs), **fields}, use_bin_type=True)
     parts = [header, *blobs]
-    return parts if key is None else [_mac(key, parts), *parts]
+    return parts if key is None else [parts_mac(key, parts), *parts]
 
 
 def unpack_parts(parts: list, types: tuple[str, ...] | None = None, *,
@@ -256,7 +197,7 @@ def unpack_parts(parts: list, types: tuple[str, ...] | None = None, *,
     """Check and decode a multipart message: (header map, blob frames)."""
     if key is not None:
         if len(parts) < 2 or len(parts[0]) != MAC_BYTES or not hmac.compare_digest(
-                bytes(parts[0]), _mac(key, parts[1:])):
+                bytes(parts[0]), parts_mac(key, parts[1:])):
             raise WireError("message is unsigned or its HMAC does not match")
         parts = parts[1:]
     if not parts or any(len(p) > MAX_FRAME for p in parts):
@@ -269,34 +210,6 @@ def unpack_parts(parts: list, types: tuple[str, ...] | None = None, *,
     if obj.get("blobs") != len(parts) - 1:
         raise WireError("the header's blob count does not match the frames")
     return obj, parts[1:]
-
-
-def decode_request(parts: list, *, key: bytes | None = None) -> tuple[Request, list]:
-    """Check and decode a multipart request (`pack_parts`): (the typed request, blob frames).
-    WireError for anything outside the schema; its `id` is the request id when one was readable,
-    so that the error reply reaches the caller."""
-    if key is not None:
-        if len(parts) < 2 or len(parts[0]) != MAC_BYTES or not hmac.compare_digest(
-                bytes(parts[0]), _mac(key, parts[1:])):
-            raise WireError("message is unsigned or its HMAC does not match")
-        parts = parts[1:]
-    if not parts or any(len(p) > MAX_FRAME for p in parts):
-        raise WireError(f"empty message, or a frame over the {MAX_FRAME}-byte cap")
-    try:
-        req = _REQUEST.decode(parts[0])
-    except msgspec.MsgspecError as exc:
-        error = WireError(f"request outside the schema-{SCHEMA} requests: {exc}")
-        try:
-            rid = msgspec.msgpack.decode(parts[0], type=_Id).id
-        except msgspec.MsgspecError:
-            rid = -1
-        error.id = rid
-        raise error from None
-    if req.v != SCHEMA:
-        raise WireError(f"not a schema-{SCHEMA} Tandem message")
-    if req.blobs != len(parts) - 1:
-        raise WireError("the header's blob count does not match the frames")
-    return req, parts[1:]
 
 
 GROUP_MAGIC = b"TGRP"
