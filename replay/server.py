@@ -37,7 +37,7 @@ from replay.buffer import Entry, ReplayBuffer
 from replay.checker import Checker
 from replay.log_writer import LogWriter
 from replay.wake import drain
-from replay.requests import Ack, Credit, Hello, Ping, Push, Request, Sample, Stats, decode_request
+from replay.messages import Ack, Credit, Hello, Ping, Push, Request, Sample, Stats, decode_request
 from replay.wire import MAX_FRAME, WireError, advertised, pack_parts
 
 

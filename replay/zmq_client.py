@@ -28,9 +28,8 @@ import zmq
 
 from replay.arena import ARENA_DIR, Arena, ArenaReader, host_id
 from replay.client import ReplayUnavailable
-from replay.wire import Group, WireError, decode_group, encode_group, pack_parts, unpack_parts
-
-REPLIES = ("ok", "credit", "ack", "acks", "batch", "stats", "error")
+from replay.messages import Acked, AckedMany, Batch, Granted, Ok, Refused, Reply, decode_reply
+from replay.wire import Group, WireError, decode_group, encode_group, pack_parts
 log = logging.getLogger("tandem.replay")
 
 
@@ -65,26 +64,25 @@ class _ZmqClient:
         self._sock.send_multipart(pack_parts(msg_type, blobs, key=self.key, id=rid, **fields), copy=False)
         return rid
 
-    def _recv(self, timeout: float) -> dict | None:
+    def _recv(self, timeout: float) -> tuple[Reply, list] | None:
+        """The next reply and its blob frames, or None after `timeout` seconds."""
         if not self._sock.poll(int(timeout * 1000)):
             return None
-        msg, blobs = unpack_parts(self._sock.recv_multipart(copy=False), REPLIES, key=self.key)
-        msg["blobs"] = blobs  # the frames, in place of their count
+        msg, blobs = decode_reply(self._sock.recv_multipart(copy=False), key=self.key)
         self._heard = time.monotonic()
-        epoch = msg.get("epoch")
-        if self._epoch is not None and epoch != self._epoch:
+        if self._epoch is not None and msg.epoch != self._epoch:
             self._restarted()
-        self._epoch = epoch
+        self._epoch = msg.epoch
         self._on_reply(msg)
-        return msg
+        return msg, blobs
 
-    def _on_reply(self, msg: dict) -> None:
+    def _on_reply(self, msg: Reply) -> None:
         """Settle what `msg` answers (a side's own bookkeeping)."""
 
     def _restarted(self) -> None:
         """The server is a new process: requests parked at the old one are gone."""
 
-    def _call(self, msg_type: str, timeout: float | None, blobs: list = (), **fields) -> dict:
+    def _call(self, msg_type: str, timeout: float | None, blobs: list = (), **fields) -> tuple[Reply, list]:
         rid = self._send(msg_type, blobs, **fields)
         start = last_check = time.monotonic()
         ping, epoch_before = None, None
@@ -95,22 +93,23 @@ class _ZmqClient:
             if now - last_check > self.check_every:
                 # Still parked? Ping: a changed epoch means the server restarted and forgot us.
                 ping, epoch_before, last_check = self._send("ping"), self._epoch, now
-            msg = self._recv(0.5)
-            if msg is None:
+            got = self._recv(0.5)
+            if got is None:
                 continue
-            if msg.get("id") == rid:
-                if msg["type"] == "error":
-                    raise WireError(f"replay refused the request: {msg.get('reason')}")
-                return msg
-            if msg.get("id") == ping and ping is not None:
-                if epoch_before is None or msg.get("epoch") != epoch_before:
+            msg = got[0]
+            if msg.id == rid:
+                if isinstance(msg, Refused):
+                    raise WireError(f"replay refused the request: {msg.reason}")
+                return got
+            if msg.id == ping and ping is not None:
+                if epoch_before is None or msg.epoch != epoch_before:
                     # A new server (or one never heard from): ask again. Every request is
                     # idempotent: a batch stays assigned, a push is deduplicated by group id.
                     rid = self._send(msg_type, blobs, **fields)
                 ping = None
 
     def stats(self) -> dict:
-        return self._call("stats", self.timeout)["stats"]
+        return self._call("stats", self.timeout)[0].stats
 
 
 class ZmqActorReplay(_ZmqClient):
@@ -141,35 +140,29 @@ class ZmqActorReplay(_ZmqClient):
             self._arena.close()
             self._arena, self._shared = None, False
 
-    def _on_reply(self, msg: dict) -> None:
-        if msg["type"] == "credit":
-            versions = msg.get("versions")
-            if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
-                raise WireError("credit: versions must be a list of integers")
-            self._granted += versions
-            self._asked = max(self._asked - len(versions), 0)
-        elif msg.get("arena") is False and self._shared:
-            log.info("replay cannot open this actor's arena (%s): groups go on the socket", msg.get("reason"))
-            self._shared = False
-        elif msg["type"] == "acks":  # several pushes written to replay's log together
-            acks = msg.get("acks")
-            if not isinstance(acks, list) or not all(
-                    isinstance(a, list) and len(a) == 2 and isinstance(a[0], int) and isinstance(a[1], str)
-                    for a in acks):
-                raise WireError("acks: expected a list of [request id, status] pairs")
-            for rid, status in acks:
-                if rid in self._unacked:
-                    del self._unacked[rid]
-                    self._count(status)
-        elif msg.get("id") in self._unacked:
-            item, _ = self._unacked.pop(msg["id"])
-            if msg["type"] == "error" and isinstance(item, list) and str(msg.get("reason")).startswith("arena:"):
-                self._push_bytes(item)  # replay could not use the reference: send the bytes instead
-                return
-            status = msg["status"] if msg["type"] == "ack" else "refused"
-            if status == "refused":  # a malformed group: resending cannot help; count it, go on
-                log.warning("replay refused a group: %s", msg.get("reason"))
-            self._count(status)
+    def _on_reply(self, msg: Reply) -> None:
+        match msg:
+            case Granted(versions=versions):
+                self._granted += versions
+                self._asked = max(self._asked - len(versions), 0)
+            case Ok(arena=False, reason=reason) if self._shared:
+                log.info("replay cannot open this actor's arena (%s): groups go on the socket", reason)
+                self._shared = False
+            case AckedMany(acks=acks):  # several pushes written to replay's log together
+                for rid, status in acks:
+                    if rid in self._unacked:
+                        del self._unacked[rid]
+                        self._count(status)
+            case Acked(id=rid, status=status) if rid in self._unacked:
+                self._unacked.pop(rid)
+                self._count(status)
+            case Refused(id=rid, reason=reason) if rid in self._unacked:
+                item, _ = self._unacked.pop(rid)
+                if isinstance(item, list) and reason.startswith("arena:"):
+                    self._push_bytes(item)  # replay could not use the reference: send the bytes instead
+                    return
+                log.warning("replay refused a group: %s", reason)  # malformed: resending cannot help
+                self._count("refused")
 
     def _count(self, status: str) -> None:
         self.statuses[status] = self.statuses.get(status, 0) + 1
@@ -233,10 +226,11 @@ class ZmqActorReplay(_ZmqClient):
     def hello(self) -> None:
         if self._arena is None and self.host:
             self._arena = Arena.create(self._arena_size, self._arena_dir)
-        reply = self._call("hello", self.timeout, actor=self.actor, **self._offer())
-        self._shared = reply.get("arena") is True
+        reply = self._call("hello", self.timeout, actor=self.actor, **self._offer())[0]
+        self._shared = isinstance(reply, Ok) and reply.arena is True
         if self._arena is not None and not self._shared:
-            log.info("replay cannot open this actor's arena (%s): groups go on the socket", reply.get("reason"))
+            log.info("replay cannot open this actor's arena (%s): groups go on the socket",
+                     getattr(reply, "reason", None))
 
     def request_credit(self) -> None:
         self._asked += 1
@@ -299,11 +293,11 @@ class ZmqLearnerReplay(_ZmqClient):
         self._unreadable = 0
         self._acks: dict[int, tuple[int, int]] = {}  # request id -> (step, rank) of acks not yet answered
 
-    def _on_reply(self, msg: dict) -> None:
-        if msg.get("id") in self._acks:
-            del self._acks[msg["id"]]
-            if msg["type"] == "error":
-                log.warning("replay refused an ack: %s", msg.get("reason"))
+    def _on_reply(self, msg: Reply) -> None:
+        if msg.id in self._acks:
+            del self._acks[msg.id]
+            if isinstance(msg, Refused):
+                log.warning("replay refused an ack: %s", msg.reason)
 
     def _restarted(self) -> None:
         """Send every unanswered ack again (new request ids; acking a shard twice consumes it once):
@@ -318,13 +312,15 @@ class ZmqLearnerReplay(_ZmqClient):
         # Unanswered acks go with the request, so that replay consumes those shards before it
         # looks at this one, even if the acks themselves were lost with a replay restart.
         acked = list(dict.fromkeys(self._acks.values()))[-64:]
-        msg = self._call("sample", timeout, step=step, rank=rank, version=version, host=host,
-                         acked=[list(a) for a in acked])
+        msg, blobs = self._call("sample", timeout, step=step, rank=rank, version=version, host=host,
+                                acked=[list(a) for a in acked])
         self._acks = {rid: a for rid, a in self._acks.items() if a not in acked}  # replay has them
-        blobs, refs = msg.get("blobs", []), msg.get("refs")
+        if not isinstance(msg, Batch):
+            raise WireError(f"sample: expected a batch, got a {type(msg).__name__} reply")
+        refs = msg.refs
         if refs is None:
             return [decode_group(memoryview(g)) for g in blobs]
-        if not isinstance(refs, list) or sum(r is None for r in refs) != len(blobs):
+        if sum(r is None for r in refs) != len(blobs):
             raise WireError("batch: references do not match the frames")
         groups, frames = [], iter(blobs)
         try:  # arena blobs are read in place: replay validated them, and holds them until `ack`

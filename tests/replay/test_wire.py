@@ -102,7 +102,7 @@ def test_no_pickle_anywhere_on_the_wire():
 
 
 def test_requests_decode_to_their_typed_struct_and_bad_fields_name_the_field_and_request_id():
-    from replay.requests import Credit, Sample, decode_request
+    from replay.messages import Credit, Sample, decode_request
     from replay.wire import pack_parts
 
     req, blobs = decode_request(pack_parts("sample", id=7, step=1, rank=0, version=2, acked=[[0, 0]]))
