@@ -119,3 +119,19 @@ def test_requests_decode_to_their_typed_struct_and_bad_fields_name_the_field_and
         assert info.value.id == 9
     with pytest.raises(WireError, match="blob count"):
         decode_request(pack_parts("push", [b"x"])[:1])
+
+
+def test_replies_decode_to_their_typed_struct_and_bad_ones_are_refused():
+    from replay.messages import Batch, Granted, decode_reply
+    from replay.wire import pack_parts
+
+    reply, blobs = decode_reply(pack_parts("batch", [b"g"], id=4, epoch="e", step=0, version=1,
+                                           refs=[None, ["arena", 4096, 10]]))
+    assert isinstance(reply, Batch) and reply.refs == [None, ("arena", 4096, 10)] and blobs == [b"g"]
+    assert decode_reply(pack_parts("credit", versions=[0, 1]))[0] == Granted(v=1, versions=[0, 1])
+    for fields, name in [({"type": "credit", "versions": [-1]}, "versions"),
+                         ({"type": "acks", "acks": [[1]]}, "acks"),
+                         ({"type": "batch", "step": 0, "version": 0, "refs": [["a", -1, 1]]}, "refs"),
+                         ({"type": "pickle"}, "type")]:
+        with pytest.raises(WireError, match=name):
+            decode_reply([msgpack.packb({"v": 1, "blobs": 0, **fields})])
