@@ -29,7 +29,8 @@ import zmq
 from replay.arena import ARENA_DIR, Arena, ArenaReader, host_id
 from replay.client import ReplayUnavailable
 from replay.messages import Acked, AckedMany, Batch, Granted, Ok, Refused, Reply, decode_reply
-from replay.wire import Group, WireError, decode_group, encode_group, pack_parts
+from replay.transport import make_group_path
+from replay.wire import Group, WireError, decode_group, pack_parts
 log = logging.getLogger("tandem.replay")
 
 
@@ -123,8 +124,6 @@ class ZmqActorReplay(_ZmqClient):
             raise ValueError("an actor client needs the actor's name")
         self.actor, self.window = actor, window
         self._unacked: dict[int, tuple[Any, float]] = {}  # request id -> (blob or arena reference, sent at)
-        self._arena: Arena | None = None
-        self._shared = False  # pushes go through the arena (replay opened it)
         self.statuses: dict[str, int] = {}
         """Acknowledged sends by status ("stored", "duplicate", "filtered", or "refused": the
         server found the group malformed)."""
@@ -133,12 +132,20 @@ class ZmqActorReplay(_ZmqClient):
         self._asked = 0  # credits requested and not yet granted
         self._to_ask = 0  # of those, not yet sent to the server
         super().__init__(endpoint, key, timeout, check_every, arena_bytes, arena_dir, host)
+        self._path = make_group_path(arena_bytes, arena_dir, self.host)
+
+    @property
+    def _shared(self) -> bool:
+        """Pushes go through the arena (replay opened it)."""
+        return getattr(self._path, "shared", False)
+
+    @property
+    def _arena(self) -> Arena | None:
+        return getattr(self._path, "arena", None)
 
     def close(self) -> None:
         super().close()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena, self._shared = None, False
+        self._path.close()
 
     def _on_reply(self, msg: Reply) -> None:
         match msg:
@@ -147,7 +154,7 @@ class ZmqActorReplay(_ZmqClient):
                 self._asked = max(self._asked - len(versions), 0)
             case Ok(arena=False, reason=reason) if self._shared:
                 log.info("replay cannot open this actor's arena (%s): groups go on the socket", reason)
-                self._shared = False
+                self._path.accepted(False)
             case AckedMany(acks=acks):  # several pushes written to replay's log together
                 for rid, status in acks:
                     if rid in self._unacked:
@@ -169,9 +176,8 @@ class ZmqActorReplay(_ZmqClient):
         self.last_status = status
 
     def _restarted(self) -> None:
-        if self._arena is not None:  # its references to our arena died with it
-            self._arena.free_all_but(self._pending_extents())
-        self._send("hello", actor=self.actor, **self._offer())
+        self._path.restarted(self._pending_extents())
+        self._send("hello", actor=self.actor, **self._path.offer())
         self._to_ask = self._asked  # every credit still wanted, in one request
         self._resend()
 
@@ -188,46 +194,19 @@ class ZmqActorReplay(_ZmqClient):
 
     def _push_bytes(self, ref: list) -> None:
         """Send the bytes of an arena push again, on the socket, and free its extent."""
-        blob = bytes(self._arena.view(ref[1], ref[2]))
-        self._arena.free(ref[1])
-        self._push_item(blob)
+        self._push_item(self._path.as_bytes(ref))
 
     def _pending_extents(self) -> set[int]:
         return {item[1] for item, _ in self._unacked.values() if isinstance(item, list)}
 
-    def _offer(self) -> dict:
-        """The hello fields that offer replay this actor's arena."""
-        if self._arena is None:
-            return {}
-        return {"arena": self._arena.name, "token": self._arena.token, "host": self.host}
-
     def _encode(self, group: Group):
         """The push item for `group`: a reference into the arena when replay reads it, else bytes."""
         group.actor = group.actor or self.actor
-        if not self._shared:
-            return encode_group(group)
-        where = []
-
-        def alloc(size: int):
-            extent = self._arena.alloc(size, keep=self._pending_extents)
-            if extent is None:
-                return None  # full, or too big: this one goes on the socket
-            where.extend((extent[0], size))
-            return extent[1]
-
-        try:
-            blob = encode_group(group, alloc)
-        except BaseException:
-            if where:
-                self._arena.free(where[0])  # never pushed: the extent is this actor's again
-            raise
-        return [self._arena.name, *where] if where else blob
+        return self._path.item(group, self._pending_extents)
 
     def hello(self) -> None:
-        if self._arena is None and self.host:
-            self._arena = Arena.create(self._arena_size, self._arena_dir)
-        reply = self._call("hello", self.timeout, actor=self.actor, **self._offer())[0]
-        self._shared = isinstance(reply, Ok) and reply.arena is True
+        reply = self._call("hello", self.timeout, actor=self.actor, **self._path.offer())[0]
+        self._path.accepted(isinstance(reply, Ok) and reply.arena is True)
         if self._arena is not None and not self._shared:
             log.info("replay cannot open this actor's arena (%s): groups go on the socket",
                      getattr(reply, "reason", None))

@@ -260,3 +260,13 @@ def test_a_learner_lets_go_of_the_arena_of_an_actor_that_has_gone(arenas):
         assert len(remote.sample(2, 0, 0, timeout=10)) == 2
     finally:
         srv.stop()
+
+
+def test_the_group_path_is_chosen_by_the_arena_size_and_a_bad_size_is_refused(tmp_path):
+    from replay.transport import ArenaPath, SocketPath, make_group_path
+
+    assert isinstance(make_group_path(0, str(tmp_path), "host"), SocketPath)
+    assert isinstance(make_group_path(1 << 20, str(tmp_path), None), SocketPath)
+    assert isinstance(make_group_path(1 << 20, str(tmp_path), "host"), ArenaPath)
+    with pytest.raises(ValueError, match="arena_bytes"):
+        make_group_path(-1, str(tmp_path), "host")
