@@ -66,9 +66,9 @@ def make_group(args: Args, rng):
 
 
 def _actor(args: Args, endpoint: str, name: str, stop, arena_mb: int) -> None:
-    from replay.client import ZmqReplayClient
+    from replay.zmq_client import ZmqActorReplay
 
-    client = ZmqReplayClient(endpoint, actor=name, arena_bytes=arena_mb << 20, window=args.window)
+    client = ZmqActorReplay(endpoint, actor=name, arena_bytes=arena_mb << 20, window=args.window)
     client.hello()
     group = make_group(args, np.random.default_rng(0))
     for _ in range(args.ahead):  # groups started and not yet pushed
@@ -109,9 +109,9 @@ def run_replay(args: Args, durable: bool, shared: bool) -> tuple[float, float]:
               for i in range(args.actors)]
     for p in actors:
         p.start()
-    from replay.client import ZmqReplayClient
+    from replay.zmq_client import ZmqLearnerReplay
 
-    learner = ZmqReplayClient(endpoint, arena_bytes=arena_mb << 20)
+    learner = ZmqLearnerReplay(endpoint, arena_bytes=arena_mb << 20)
     steps = args.groups // args.batch
     warm = 5
     for step in range(steps + warm):

@@ -160,14 +160,14 @@ class LearnerPart:
 
         from learner.checkpoint import Checkpoints
         from learner.trainer import Learner
-        from replay.client import ZmqReplayClient
+        from replay.zmq_client import ZmqLearnerReplay
 
         cfg = self.cfg
         bind, advertise = cluster.listen(cfg.listen_host)
         cluster.point_collectives(advertise or bind)
         torch.manual_seed(cfg.seed)  # same adapter initialisation on every rank
-        replay = ZmqReplayClient(self.replay_endpoint, key=self.key, arena_bytes=cfg.replay.arena_mb << 20,
-                                 host=cluster.host_key())
+        replay = ZmqLearnerReplay(self.replay_endpoint, key=self.key, arena_bytes=cfg.replay.arena_mb << 20,
+                                  host=cluster.host_key())
         self.learner = Learner(cfg.learner, self.model_path, self.rank, cfg.learners, dist_url, replay,
                                temperature=cfg.actor.temperature, host=bind, advertise=advertise, key=self.key,
                                algo=cfg.algo, correction=cfg.correction, horizon=cfg.steps,
@@ -182,11 +182,11 @@ class LearnerPart:
         """Colocated mode: this rank plays its share of every step's groups before the step."""
         from envs import make_env
         from launch.colocate import Colocated
-        from replay.client import ZmqReplayClient
+        from replay.zmq_client import ZmqActorReplay
 
         cfg = self.cfg
-        replay = ZmqReplayClient(self.replay_endpoint, actor=f"learner-{self.rank}", key=self.key,
-                                 arena_bytes=cfg.replay.arena_mb << 20, host=cluster.host_key())
+        replay = ZmqActorReplay(self.replay_endpoint, actor=f"learner-{self.rank}", key=self.key,
+                                arena_bytes=cfg.replay.arena_mb << 20, host=cluster.host_key())
         kwargs = cfg.env_kwargs()
         self.colocated = Colocated(self.learner, cfg.actor, cfg.chat(self.model_path),
                                    lambda: make_env(cfg.env, **kwargs), replay,
@@ -227,14 +227,14 @@ class ActorPart:
         from actors.actor import Actor
         from actors.engine import make_engine
         from envs import make_env
-        from replay.client import ZmqReplayClient
+        from replay.zmq_client import ZmqActorReplay
         from replay.weights import WeightSubscriber
 
         claim_devices(cfg.actor.num_gpus, "--actor.gpus")
         _threads(cfg.actor.threads)
         name = f"actor-{index}"
-        replay = ZmqReplayClient(replay_endpoint, actor=name, key=key, arena_bytes=cfg.replay.arena_mb << 20,
-                                 host=cluster.host_key())
+        replay = ZmqActorReplay(replay_endpoint, actor=name, key=key, arena_bytes=cfg.replay.arena_mb << 20,
+                                host=cluster.host_key())
         engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.engine_device,
                              seed=cfg.seed * 1000 + index, **cfg.actor.engine_options())
         kwargs = cfg.env_kwargs()

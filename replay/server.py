@@ -37,11 +37,8 @@ from replay.buffer import Entry, ReplayBuffer
 from replay.checker import Checker
 from replay.log_writer import LogWriter
 from replay.wake import drain
-from replay.wire import MAX_FRAME, WireError, advertised, pack_parts, unpack_parts
-
-REQUESTS = ("hello", "credit", "push", "sample", "ack", "stats", "ping")
-MAX_CREDITS = 4096
-"""Most credits one request may ask for."""
+from replay.messages import Ack, Credit, Hello, Ping, Push, Request, Sample, Stats, decode_request
+from replay.wire import MAX_FRAME, WireError, advertised, pack_parts
 
 
 @dataclass
@@ -268,60 +265,56 @@ class ReplayServer:
         peer, parts = frames[0].bytes, frames[1:]
         rid = -1
         try:
-            msg, blobs = unpack_parts(parts, REQUESTS, key=self.key)
-            rid = msg.get("id", -1)
-            if not isinstance(rid, int) or isinstance(rid, bool):
-                rid = -1
-                raise WireError("request id must be an integer")
+            msg, blobs = decode_request(parts, key=self.key)
+            rid = msg.id
             self._dispatch(sock, peer, rid, msg, blobs)
         except WireError as exc:
+            rid = getattr(exc, "id", rid)
             self.buffer.stats.malformed_frames += 1
             self._reply(sock, peer, rid, "error", reason=str(exc))
         except ValueError as exc:  # well-formed but refused (bad rank, ...)
             self._reply(sock, peer, rid, "error", reason=str(exc))
 
-    def _dispatch(self, sock, peer: bytes, rid: int, msg: dict, blobs: list) -> None:
-        kind = msg["type"]
-        if kind == "hello":
-            self.buffer.hello(_str(msg, "actor"))
-            arena, reason = None, None
-            if "arena" in msg and (self.host is None or msg.get("host") != self.host):
-                # Another host (another Ray node, even on this machine): its memory is not ours.
-                arena, reason = False, f"the actor is on host {msg.get('host')!r}, replay on {self.host!r}"
-            elif "arena" in msg:  # the actor offers its shared-memory arena: can we open it?
-                try:
-                    self.arenas.open(msg["arena"], _str(msg, "token"))
-                    arena = True
-                except WireError as exc:
-                    arena, reason = False, str(exc)
-            self._reply(sock, peer, rid, "ok", arena=arena, reason=reason)
-        elif kind == "ping":
-            self._reply(sock, peer, rid, "ok")
-        elif kind == "credit":
-            n = msg.get("n", 1)
-            if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_CREDITS:
-                raise WireError(f"field 'n' must be an integer in [1, {MAX_CREDITS}]")
-            self._credit_waiters.append([peer, rid, _str(msg, "actor"), time.monotonic(), n])
-        elif kind == "push":  # the group's header and values are read on the checker thread
-            self._checker.put(self._read(msg, blobs), (peer, rid))
-        elif kind == "sample":
-            step, rank, version = (_int(msg, k) for k in ("step", "rank", "version"))
-            if rank >= self.buffer.shards:
-                raise ValueError(f"rank {rank} out of range for {self.buffer.shards} learner ranks")
-            for acked_step, acked_rank in _pairs(msg, "acked"):  # acks the client has no answer to:
-                self.buffer.ack(acked_step, acked_rank)  # consumed, not released by this request
-            self.buffer.set_version(version)
-            same_host = self.host is not None and msg.get("host") == self.host
-            self._sample_waiters.append((peer, rid, step, rank, same_host))
-        elif kind == "ack":
-            ids = self.buffer.ack(_int(msg, "step"), _int(msg, "rank"))
-            if self._writer is not None:  # answered once the consumed marker is on the log
-                self._writer.after(functools.partial(self._reply, sock, peer, rid, "ok", consumed=len(ids)))
-            else:
-                self._reply(sock, peer, rid, "ok", consumed=len(ids))
-        elif kind == "stats":
-            self._reply(sock, peer, rid, "stats", stats={**self.buffer.snapshot(),
-                                                          "credit_wait_s": self.credit_wait_s})
+    def _dispatch(self, sock, peer: bytes, rid: int, msg: Request, blobs: list) -> None:
+        match msg:
+            case Hello(actor=actor, arena=name, token=token, host=host):
+                self.buffer.hello(actor)
+                arena, reason = None, None
+                if name is not None and (self.host is None or host != self.host):
+                    # Another host (another Ray node, even on this machine): its memory is not ours.
+                    arena, reason = False, f"the actor is on host {host!r}, replay on {self.host!r}"
+                elif name is not None:  # the actor offers its shared-memory arena: can we open it?
+                    if token is None:
+                        raise WireError("hello: an arena comes with its token")
+                    try:
+                        self.arenas.open(name, token)
+                        arena = True
+                    except WireError as exc:
+                        arena, reason = False, str(exc)
+                self._reply(sock, peer, rid, "ok", arena=arena, reason=reason)
+            case Ping():
+                self._reply(sock, peer, rid, "ok")
+            case Credit(actor=actor, n=n):
+                self._credit_waiters.append([peer, rid, actor, time.monotonic(), n])
+            case Push():  # the group's header and values are read on the checker thread
+                self._checker.put(self._read(msg, blobs), (peer, rid))
+            case Sample(step=step, rank=rank, version=version, acked=acked, host=host):
+                if rank >= self.buffer.shards:
+                    raise ValueError(f"rank {rank} out of range for {self.buffer.shards} learner ranks")
+                for acked_step, acked_rank in acked:  # acks the client has no answer to:
+                    self.buffer.ack(acked_step, acked_rank)  # consumed, not released by this request
+                self.buffer.set_version(version)
+                same_host = self.host is not None and host == self.host
+                self._sample_waiters.append((peer, rid, step, rank, same_host))
+            case Ack(step=step, rank=rank):
+                ids = self.buffer.ack(step, rank)
+                if self._writer is not None:  # answered once the consumed marker is on the log
+                    self._writer.after(functools.partial(self._reply, sock, peer, rid, "ok", consumed=len(ids)))
+                else:
+                    self._reply(sock, peer, rid, "ok", consumed=len(ids))
+            case Stats():
+                self._reply(sock, peer, rid, "stats", stats={**self.buffer.snapshot(),
+                                                              "credit_wait_s": self.credit_wait_s})
 
     def _logged(self, peer: bytes, rid: int, entry: Entry) -> None:
         """A pushed group is on the log: store it; acknowledge it and any resends of it with
@@ -343,16 +336,16 @@ class ReplayServer:
                 self._reply(sock, peer, -1, "acks", acks=[[rid, status] for rid, status, _ in acks])
         self._acks.clear()
 
-    def _read(self, msg: dict, blobs: list) -> tuple:
+    def _read(self, msg: Push, blobs: list) -> tuple:
         """(blob, arena reference, release) of a push: its bytes in the message, or a view of
         the extent that the reference names in the actor's arena (offsets checked)."""
-        if "shm" not in msg:
+        if msg.shm is None:
             if len(blobs) != 1:
                 raise WireError("push carries exactly one group")
             return blobs[0], None, None
         if blobs:
             raise WireError("push carries a group or an arena reference, not both")
-        ref = msg["shm"]
+        ref = list(msg.shm)
         view, fresh = self.arenas.acquire(ref)
         release = functools.partial(self.arenas.release, ref[0], ref[1]) if fresh else None
         return view, list(ref), release
@@ -422,30 +415,6 @@ class ReplayServer:
                 self.buffer.in_flight[actor] -= len(versions)
             if not delivered or not waiter[4]:
                 self._credit_waiters.pop(0)
-
-
-def _str(msg: dict, key: str) -> str:
-    val = msg.get(key)
-    if not isinstance(val, str) or not 0 < len(val) <= 128:
-        raise WireError(f"field {key!r} must be a string of 1 to 128 characters")
-    return val
-
-
-def _int(msg: dict, key: str) -> int:
-    val = msg.get(key)
-    if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < 1 << 40:
-        raise WireError(f"field {key!r} must be a non-negative integer")
-    return val
-
-
-def _pairs(msg: dict, key: str) -> list[tuple[int, int]]:
-    """An optional field of [step, rank] pairs (at most 64)."""
-    val = msg.get(key, [])
-    if not isinstance(val, list) or len(val) > 64 or not all(
-            isinstance(p, list) and len(p) == 2 and all(
-                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40 for x in p) for p in val):
-        raise WireError(f"field {key!r} must be a list of at most 64 [step, rank] pairs")
-    return [(p[0], p[1]) for p in val]
 
 
 def key_from_env() -> bytes | None:

@@ -28,14 +28,18 @@ import itertools
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
+import msgspec
 import numpy as np
 
 SCHEMA = 1
 MAX_FRAME = 64 << 20
 """Frames larger than this are rejected before decoding (64 MiB)."""
+
+MAX_GROUP = 4096
+"""Most trajectories in one group."""
 
 FINISH_REASONS = ("terminated", "truncated", "length", "env_error")
 """terminated/truncated: as the environment said; length: the context limit; env_error: the environment failed."""
@@ -45,13 +49,25 @@ class WireError(ValueError):
     """A frame that does not follow the schema."""
 
 
-def _get(obj: dict, key: str, kind: type | tuple[type, ...], what: str) -> Any:
-    if key not in obj:
-        raise WireError(f"{what}: missing field {key!r}")
-    val = obj[key]
-    if not isinstance(val, kind) or isinstance(val, bool) and kind in (int, float, (int, float)):
-        raise WireError(f"{what}: field {key!r} has type {type(val).__name__}")
-    return val
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
+
+
+class GroupHeader(msgspec.Struct, frozen=True):
+    """The msgpack header of a group blob: per-trajectory lists, one entry each."""
+
+    v: int
+    group_id: Name
+    task: str
+    lens: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_GROUP)]
+    rewards: Annotated[list[float], msgspec.Meta(max_length=MAX_GROUP)]
+    turns: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_GROUP)]
+    finish: Annotated[list[Annotated[str, msgspec.Meta(max_length=16)]], msgspec.Meta(max_length=MAX_GROUP)]
+    actor: str = ""
+    meta: Annotated[dict[str, float], msgspec.Meta(max_length=256)] = {}
+
+
+_GROUP_HEADER = msgspec.msgpack.Decoder(GroupHeader)
 
 
 @dataclass
@@ -159,7 +175,7 @@ def unpack(frame: bytes, types: tuple[str, ...] | None = None, *, key: bytes | N
     return obj
 
 
-def _mac(key: bytes, parts: list) -> bytes:
+def parts_mac(key: bytes, parts: list) -> bytes:
     mac = hmac.new(key, digestmod=hashlib.sha256)
     for part in parts:
         view = memoryview(part)
@@ -168,12 +184,15 @@ def _mac(key: bytes, parts: list) -> bytes:
     return mac.digest()
 
 
+_mac = parts_mac  # the name the security tests sign with
+
+
 def pack_parts(msg_type: str, blobs: list = (), *, key: bytes | None = None, **fields: Any) -> list:
     """A multipart message: a header frame (msgpack map) and raw blob frames after it, which
     ZeroMQ sends without copying. With a key, a first frame holds the HMAC-SHA256 of all the others."""
     header = msgpack.packb({"v": SCHEMA, "type": msg_type, "blobs": len(blobs), **fields}, use_bin_type=True)
     parts = [header, *blobs]
-    return parts if key is None else [_mac(key, parts), *parts]
+    return parts if key is None else [parts_mac(key, parts), *parts]
 
 
 def unpack_parts(parts: list, types: tuple[str, ...] | None = None, *,
@@ -181,7 +200,7 @@ def unpack_parts(parts: list, types: tuple[str, ...] | None = None, *,
     """Check and decode a multipart message: (header map, blob frames)."""
     if key is not None:
         if len(parts) < 2 or len(parts[0]) != MAC_BYTES or not hmac.compare_digest(
-                bytes(parts[0]), _mac(key, parts[1:])):
+                bytes(parts[0]), parts_mac(key, parts[1:])):
             raise WireError("message is unsigned or its HMAC does not match")
         parts = parts[1:]
     if not parts or any(len(p) > MAX_FRAME for p in parts):
@@ -200,8 +219,6 @@ GROUP_MAGIC = b"TGRP"
 _PREFIX = struct.Struct("<4sI")  # magic, header length
 _FIELDS = (("tokens", "<i4"), ("versions", "<i4"), ("logprobs", "<f4"), ("mask", "u1"))
 _BYTES_PER_TOKEN = sum(np.dtype(d).itemsize for _, d in _FIELDS)
-MAX_GROUP = 4096
-"""Most trajectories in one group."""
 _NOT_MODEL = 1 << 30  # policy versions are below this
 
 
@@ -231,6 +248,12 @@ def group_blob(header: dict[str, Any], n_tokens: int, fill=None, alloc=None) -> 
 
 def group_parts(blob: Any) -> tuple[Any, memoryview]:
     """(decoded header, payload view) of a group blob, checking only the framing."""
+    head, payload = _group_frame(blob)
+    return _loads(head), payload
+
+
+def _group_frame(blob: Any) -> tuple[memoryview, memoryview]:
+    """(header bytes, payload view) of a group blob, checking only the framing."""
     view = memoryview(blob).cast("B").toreadonly()
     if len(view) > MAX_FRAME:
         raise WireError(f"group of {len(view)} bytes exceeds the {MAX_FRAME}-byte cap")
@@ -241,8 +264,7 @@ def group_parts(blob: Any) -> tuple[Any, memoryview]:
         raise WireError("group: not a Tandem group (bad magic)")
     if head_len > min(len(view) - _PREFIX.size, 1 << 20):
         raise WireError("group: header length runs past the frame")
-    header = _loads(view[_PREFIX.size:_PREFIX.size + head_len])
-    return header, view[_payload_start(head_len):]
+    return view[_PREFIX.size:_PREFIX.size + head_len], view[_payload_start(head_len):]
 
 
 def encode_group(group: Group, alloc=None) -> bytearray | memoryview:
@@ -269,15 +291,6 @@ def encode_group(group: Group, alloc=None) -> bytearray | memoryview:
     return group_blob(header, n, fill, alloc)
 
 
-def _list(header: dict, key: str, kind, n: int | None) -> list:
-    val = _get(header, key, list, "group")
-    if n is not None and len(val) != n:
-        raise WireError(f"group: {key!r} has {len(val)} entries for {n} trajectories")
-    if not all(isinstance(x, kind) and not isinstance(x, bool) for x in val):
-        raise WireError(f"group: {key!r} holds a value of the wrong type")
-    return val
-
-
 def decode_group(blob: Any, checked: bool = False) -> Group:
     """Validate and decode a blob made by `encode_group` (bytes, or a buffer such as a ZeroMQ
     frame): `read_group`, then `check_group`. The trajectories' arrays are read-only views of
@@ -297,27 +310,24 @@ def read_group(blob: Any, trajectories: bool = True) -> Group:
     arrays and version, not one object per trajectory."""
     if not isinstance(blob, (bytes, bytearray, memoryview)) and not hasattr(blob, "buffer"):
         raise WireError("group: expected a group blob")
-    header, payload = group_parts(getattr(blob, "buffer", blob))
+    head, payload = _group_frame(getattr(blob, "buffer", blob))
     what = "group"
-    if not isinstance(header, dict) or header.get("v") != SCHEMA:
+    try:
+        header = _GROUP_HEADER.decode(head)
+    except msgspec.MsgspecError as exc:
+        raise WireError(f"{what}: header outside the schema-{SCHEMA} group header: {exc}") from None
+    if header.v != SCHEMA:
         raise WireError(f"group: not a schema-{SCHEMA} group header")
-    gid = _get(header, "group_id", str, what)
-    if not 0 < len(gid) <= 128:
-        raise WireError(f"{what}: group_id must be 1 to 128 characters")
-    meta = header.get("meta", {})
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
-                                             for k, v in meta.items()):
-        raise WireError(f"{what}: meta must map names to numbers")
-    lens = _list(header, "lens", int, None)
+    gid, lens, rewards, turns, finish = header.group_id, header.lens, header.rewards, header.turns, header.finish
     if not 0 < len(lens) <= MAX_GROUP or min(lens) < 1:
         raise WireError(f"{what}: needs 1 to {MAX_GROUP} trajectories, none empty")
-    rewards = [float(r) for r in _list(header, "rewards", (int, float), len(lens))]
-    turns = _list(header, "turns", int, len(lens))
-    finish = _list(header, "finish", str, len(lens))
+    for name in ("rewards", "turns", "finish"):
+        if len(getattr(header, name)) != len(lens):
+            raise WireError(f"group: {name!r} has {len(getattr(header, name))} entries for {len(lens)} trajectories")
     if not all(math.isfinite(r) for r in rewards):
         raise WireError(f"{what}: rewards must be finite")
-    if min(turns) < 0 or not set(finish) <= set(FINISH_REASONS):
-        raise WireError(f"{what}: negative turns, or unknown finish reason")
+    if not set(finish) <= set(FINISH_REASONS):
+        raise WireError(f"{what}: unknown finish reason")
     n = sum(lens)
     if len(payload) != _BYTES_PER_TOKEN * n:
         raise WireError(f"{what}: payload length does not match the trajectory lengths")
@@ -329,8 +339,8 @@ def read_group(blob: Any, trajectories: bool = True) -> Group:
     starts = [0, *itertools.accumulate(lens[:-1])]
     trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f)
              for s, k, r, t, f in zip(starts, lens, rewards, turns, finish)] if trajectories else []
-    return Group(gid, _get(header, "task", str, what)[:256], trajs, actor=str(header.get("actor", ""))[:128],
-                 meta=dict(meta), _arrays=(tokens, versions, logprobs, mask, starts),
+    return Group(gid, header.task[:256], trajs, actor=header.actor[:128],
+                 meta=dict(header.meta), _arrays=(tokens, versions, logprobs, mask, starts),
                  _rewards=None if trajectories else np.array(rewards, dtype=np.float32))
 
 

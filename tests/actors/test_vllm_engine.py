@@ -67,7 +67,7 @@ def test_a_colocated_rank_gives_vllm_its_adapter_each_step_and_trains_strictly_o
     from learner.config import LearnerConfig
     from learner.trainer import Learner
     from replay.buffer import ReplayBuffer
-    from replay.client import ZmqReplayClient
+    from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
     from replay.server import ReplayServer
     from tests.learner.test_fsdp import _port
 
@@ -75,12 +75,12 @@ def test_a_colocated_rank_gives_vllm_its_adapter_each_step_and_trains_strictly_o
     server = ReplayServer(ReplayBuffer(groups_per_step=2, max_staleness=0), "tcp://127.0.0.1:*")
     endpoint = server.start()
     learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=2, lora=LORA), tiny_model, 0, 1,
-                      f"tcp://127.0.0.1:{_port()}", ZmqReplayClient(endpoint), temperature=0.7)
+                      f"tcp://127.0.0.1:{_port()}", ZmqLearnerReplay(endpoint), temperature=0.7)
     try:
         learner.setup()
         actor_cfg = ActorConfig(engine="vllm", group_size=2, groups_in_flight=2, max_new_tokens=4)
         colocated = Colocated(learner, actor_cfg, chat, lambda: make_env("maze", max_steps=3),
-                              ZmqReplayClient(endpoint, actor="learner-0"), share=2, engine=engine)
+                              ZmqActorReplay(endpoint, actor="learner-0"), share=2, engine=engine)
         assert not colocated.own_model  # vLLM holds its own copy of the base weights
         learner.before_step = colocated.generate
         learner.run(3)

@@ -25,7 +25,7 @@ def test_an_endpoint_bound_on_every_interface_is_advertised_at_the_node_address(
 
 def test_the_replay_service_and_the_weight_channel_advertise_what_they_are_reached_at():
     from replay.buffer import ReplayBuffer
-    from replay.client import ZmqReplayClient
+    from replay.zmq_client import ZmqActorReplay
     from replay.server import ReplayServer
     from replay.weights import Adapter, WeightPublisher, WeightSubscriber
     from tests.replay.helpers import make_group
@@ -38,7 +38,7 @@ def test_the_replay_service_and_the_weight_channel_advertise_what_they_are_reach
     publisher = WeightPublisher("0.0.0.0", key=key, advertise="127.0.0.1")
     try:
         assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0")
-        actor = ZmqReplayClient(endpoint, actor="a", key=key, arena_bytes=0)
+        actor = ZmqActorReplay(endpoint, actor="a", key=key, arena_bytes=0)
         assert actor.push(make_group(seed=1)) == "stored"
         assert all(e.startswith("tcp://127.0.0.1:") for e in publisher.endpoints)
         sub = WeightSubscriber(publisher.endpoints, key=key)

@@ -9,7 +9,7 @@ import pytest
 
 from learner.checkpoint import CheckpointError, Checkpoints, resume_version
 from replay.buffer import ReplayBuffer
-from replay.client import ZmqReplayClient
+from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
 from tests.learner.test_fsdp import _port
 from tests.replay.helpers import make_group
@@ -26,7 +26,7 @@ def _learner(rank, model, endpoint, url, run_dir):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = LearnerConfig(lr=1e-2, groups_per_step=4, micro_batch=4)
-    return Learner(cfg, model, rank, 2, url, ZmqReplayClient(endpoint), algo="ppo", horizon=HORIZON,
+    return Learner(cfg, model, rank, 2, url, ZmqLearnerReplay(endpoint), algo="ppo", horizon=HORIZON,
                    checkpoints=Checkpoints(run_dir, keep=2))
 
 
@@ -96,7 +96,7 @@ def test_a_resumed_group_has_the_saved_optimizer_state_learning_rate_and_weights
     endpoint = server.start()
     ctx = mp.get_context("spawn")
     try:
-        client = ZmqReplayClient(endpoint, actor="actor-0")
+        client = ZmqActorReplay(endpoint, actor="actor-0")
         for i in range(16):
             client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.5, 1.0]))
         first = _run_ranks(_first_run, tiny_model, endpoint, tmp_path, ctx.Queue(), ctx)

@@ -6,7 +6,7 @@ afterwards."""
 import numpy as np
 
 from replay.buffer import ReplayBuffer
-from replay.client import ZmqReplayClient
+from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
 from tests.learner.test_model import _spawn
 from tests.replay.helpers import make_group
@@ -23,7 +23,7 @@ def _rank(rank, url, model_path, endpoint, out):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = LearnerConfig(lr=1e-2, groups_per_step=4)
-    learner = Learner(cfg, model_path, rank, 2, url, ZmqReplayClient(endpoint), temperature=0.7)
+    learner = Learner(cfg, model_path, rank, 2, url, ZmqLearnerReplay(endpoint), temperature=0.7)
     try:
         learner.setup()
         learner.step()  # the policy adapter is no longer the identity
@@ -55,7 +55,7 @@ def test_each_rank_generates_with_its_own_model_then_trains(tiny_model):
     server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=1, num_shards=2), "tcp://127.0.0.1:*")
     endpoint = server.start()
     try:
-        client = ZmqReplayClient(endpoint, actor="actor-0")
+        client = ZmqActorReplay(endpoint, actor="actor-0")
         for i in range(8):
             client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0]))
         results = _spawn(_rank, tiny_model, endpoint)
@@ -86,7 +86,7 @@ def _loop_rank(rank, url, model_path, endpoint, out):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = LearnerConfig(lr=1e-3, groups_per_step=4)
-    learner = Learner(cfg, model_path, rank, 2, url, ZmqReplayClient(endpoint), temperature=0.7)
+    learner = Learner(cfg, model_path, rank, 2, url, ZmqLearnerReplay(endpoint), temperature=0.7)
     rng = random.Random(rank)
 
     def flaky_env():  # one environment in four raises mid-episode
@@ -95,7 +95,7 @@ def _loop_rank(rank, url, model_path, endpoint, out):
     try:
         learner.setup()
         actor_cfg = ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=4)
-        replay = ZmqReplayClient(endpoint, actor=f"learner-{rank}")
+        replay = ZmqActorReplay(endpoint, actor=f"learner-{rank}")
         colocated = Colocated(learner, actor_cfg, Chat(load_tokenizer(model_path)), flaky_env, replay, share=2,
                               seed=rank)
         learner.before_step = colocated.generate

@@ -6,7 +6,7 @@ import socket
 import numpy as np
 
 from replay.buffer import ReplayBuffer
-from replay.client import ZmqReplayClient
+from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
 from tests.replay.helpers import make_group
 
@@ -25,7 +25,7 @@ def _rank(rank, model, endpoint, url, out):
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=4), model, rank, 2, url, ZmqReplayClient(endpoint))
+    learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=4), model, rank, 2, url, ZmqLearnerReplay(endpoint))
     try:
         learner.setup()
         before = {k: v.numpy().copy() for k, v in learner.adapter_tensors().items()}
@@ -40,7 +40,7 @@ def test_two_ranks_train_to_identical_changed_lora_weights(tiny_model):
     server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=0, num_shards=2), "tcp://127.0.0.1:*")
     endpoint = server.start()
     try:
-        client = ZmqReplayClient(endpoint, actor="actor-0")
+        client = ZmqActorReplay(endpoint, actor="actor-0")
         for i in range(4):
             client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0]))
         ctx = mp.get_context("spawn")
@@ -76,7 +76,7 @@ def _ppo_rank(rank, model, endpoint, url, out):
     torch.manual_seed(0)
     cfg = LearnerConfig(lr=1e-2, groups_per_step=4, mini_batches=2, kl_coef=0.1, entropy_coef=0.01, micro_batch=3,
                         behaviour_clip=2.0)
-    learner = Learner(cfg, model, rank, 2, url, ZmqReplayClient(endpoint), algo="ppo", correction="decoupled")
+    learner = Learner(cfg, model, rank, 2, url, ZmqLearnerReplay(endpoint), algo="ppo", correction="decoupled")
     try:
         learner.setup()
 
@@ -113,7 +113,7 @@ def test_ppo_trains_policy_and_critic_adapters_on_two_ranks(tiny_model):
     server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=1, num_shards=2), "tcp://127.0.0.1:*")
     endpoint = server.start()
     try:
-        client = ZmqReplayClient(endpoint, actor="actor-0")
+        client = ZmqActorReplay(endpoint, actor="actor-0")
         for i in range(8):
             client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0] if i % 2 else [1.0, 1.0, 1.0, 1.0]))
         ctx = mp.get_context("spawn")
@@ -160,7 +160,7 @@ def _one_rank(model, endpoint, url, out):
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=2), model, 0, 1, url, ZmqReplayClient(endpoint))
+    learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=2), model, 0, 1, url, ZmqLearnerReplay(endpoint))
     try:
         learner.setup()
         snapshot = learner.adapter_tensors()
@@ -178,7 +178,7 @@ def test_adapter_snapshots_on_one_rank_do_not_follow_training(tiny_model):
     server = ReplayServer(ReplayBuffer(groups_per_step=2, max_staleness=0, num_shards=1), "tcp://127.0.0.1:*")
     endpoint = server.start()
     try:
-        client = ZmqReplayClient(endpoint, actor="actor-0")
+        client = ZmqActorReplay(endpoint, actor="actor-0")
         for i in range(2):
             client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0]))
         ctx = mp.get_context("spawn")
@@ -205,7 +205,7 @@ def _max_rank(rank, model, endpoint, url, out):
     torch.manual_seed(0)
     # tis without truncation (C = 1e6): each rank's largest π_old/μ is its own data's
     cfg = LearnerConfig(lr=1e-2, groups_per_step=4, is_cap=1e6)
-    learner = Learner(cfg, model, rank, 2, url, ZmqReplayClient(endpoint), correction="tis")
+    learner = Learner(cfg, model, rank, 2, url, ZmqLearnerReplay(endpoint), correction="tis")
     try:
         learner.setup()
         learner.version = 2  # as a learner resumed at version 2: rank 1's groups (version 0) are 2 stale
@@ -221,7 +221,7 @@ def test_maxima_are_reduced_over_ranks_with_max(tiny_model):
     server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=2, num_shards=2), "tcp://127.0.0.1:*")
     endpoint = server.start()
     try:
-        client = ZmqReplayClient(endpoint, actor="actor-0")
+        client = ZmqActorReplay(endpoint, actor="actor-0")
         # first in, first served; rank 0's shard is the first two groups (version 2), rank 1's the next two
         for i, version in enumerate((2, 2, 0, 0)):
             client.push(make_group(seed=i, version=version, rewards=[1.0, 0.0, 0.0, 1.0]))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from replay.buffer import ReplayBuffer
-from replay.client import ZmqReplayClient
+from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
 from tests.learner.test_fsdp import _port
 from tests.replay.helpers import make_group
@@ -124,7 +124,7 @@ def _bf16_rank(rank, url, model_path, endpoint, algo, out):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = LearnerConfig(lr=1e-2, groups_per_step=4, dtype="bfloat16")
-    learner = Learner(cfg, model_path, rank, 2, url, ZmqReplayClient(endpoint), algo=algo)
+    learner = Learner(cfg, model_path, rank, 2, url, ZmqLearnerReplay(endpoint), algo=algo)
     try:
         learner.setup()
         model = learner.model
@@ -166,7 +166,7 @@ def test_bf16_mixed_precision_keeps_lora_and_adamw_in_fp32(tiny_model, algo):
     server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=0, num_shards=2), "tcp://127.0.0.1:*")
     endpoint = server.start()
     try:
-        client = ZmqReplayClient(endpoint, actor="actor-0")
+        client = ZmqActorReplay(endpoint, actor="actor-0")
         for i in range(4):
             client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0]))
         results = _spawn(_bf16_rank, tiny_model, endpoint, algo)

@@ -10,7 +10,7 @@ import zmq
 
 from replay.arena import FREE, HELD, PAGE, Arena, ArenaReader, head_size, host_id, pages
 from replay.buffer import ReplayBuffer
-from replay.client import ZmqReplayClient
+from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
 from replay.wire import WireError, encode_group, pack_parts, unpack_parts
 from tests.replay.helpers import make_group
@@ -27,9 +27,9 @@ def serve(tmp_path, arena_dir=None, **kwargs) -> ReplayServer:
 
 def pair(srv, arenas, arena_bytes: int = 1 << 20):
     """An actor (said hello, so its arena is offered) and a learner, both on this host."""
-    actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=arena_bytes, arena_dir=str(arenas))
+    actor = ZmqActorReplay(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=arena_bytes, arena_dir=str(arenas))
     actor.hello()
-    return actor, ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+    return actor, ZmqLearnerReplay(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
 
 
 @pytest.fixture
@@ -94,12 +94,12 @@ def test_a_replay_that_cannot_open_the_arena_gets_bytes(arenas, tmp_path):
     elsewhere.mkdir()
     srv = serve(arenas, elsewhere)
     try:
-        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_dir=str(arenas), arena_bytes=1 << 20)
+        actor = ZmqActorReplay(srv.endpoint, actor="actor-0", key=KEY, arena_dir=str(arenas), arena_bytes=1 << 20)
         actor.hello()
         assert not actor._shared
         groups = [make_group(seed=i) for i in range(2)]
         assert [actor.push(g) for g in groups] == ["stored", "stored"]
-        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=0)
+        learner = ZmqLearnerReplay(srv.endpoint, key=KEY, arena_bytes=0)
         assert sorted(g.group_id for g in learner.sample(0, 0, 0, timeout=10)) == sorted(g.group_id for g in groups)
         assert learner.stats()["received_shared"] == 0
     finally:
@@ -114,18 +114,18 @@ def test_an_actor_on_another_node_of_the_same_machine_sends_bytes(arenas):
     srv = ReplayServer(buffer, "tcp://127.0.0.1:*", key=KEY, arena_dir=str(arenas), host="node-a")
     srv.start()
     try:
-        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=1 << 20,
-                                arena_dir=str(arenas), host="node-b")
+        actor = ZmqActorReplay(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=1 << 20,
+                               arena_dir=str(arenas), host="node-b")
         actor.hello()
         assert not actor._shared
         groups = [make_group(seed=i) for i in range(2)]
         assert [actor.push(g) for g in groups] == ["stored", "stored"]
-        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas), host="node-a")
+        learner = ZmqLearnerReplay(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas), host="node-a")
         assert sorted(g.group_id for g in learner.sample(0, 0, 0, timeout=10)) == sorted(g.group_id for g in groups)
         stats = learner.stats()
         assert stats["received_groups"] == 2 and stats["received_shared"] == 0
-        same_node = ZmqReplayClient(srv.endpoint, actor="actor-1", key=KEY, arena_bytes=1 << 20,
-                                    arena_dir=str(arenas), host="node-a")
+        same_node = ZmqActorReplay(srv.endpoint, actor="actor-1", key=KEY, arena_bytes=1 << 20,
+                                   arena_dir=str(arenas), host="node-a")
         same_node.hello()
         assert same_node._shared  # the same node id: the arena is taken
     finally:
@@ -135,7 +135,7 @@ def test_an_actor_on_another_node_of_the_same_machine_sends_bytes(arenas):
 def test_a_learner_that_cannot_open_the_arena_gets_the_same_shard_as_bytes(arenas, tmp_path):
     srv = serve(arenas, arenas)
     try:
-        actor = ZmqReplayClient(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        actor = ZmqActorReplay(srv.endpoint, actor="actor-0", key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
         actor.hello()
         groups = [make_group(seed=i) for i in range(2)]
         for g in groups:
@@ -143,7 +143,7 @@ def test_a_learner_that_cannot_open_the_arena_gets_the_same_shard_as_bytes(arena
         actor.flush(10)
         elsewhere = tmp_path / "learner-shm"
         elsewhere.mkdir()
-        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(elsewhere))
+        learner = ZmqLearnerReplay(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(elsewhere))
         got = learner.sample(0, 0, 0, timeout=10)
         by_id = {g.group_id: g for g in groups}
         assert sorted(by_id) == sorted(g.group_id for g in got) and all(same(g, by_id[g.group_id]) for g in got)
@@ -172,7 +172,7 @@ def test_a_resent_reference_is_stored_once_and_freed_once_consumed(arenas):
         assert ask("push", shm=ref)["status"] == "stored"
         assert ask("push", shm=ref)["status"] == "duplicate"  # the resend must not free the stored copy
         assert arena.state(ref[1]) == HELD
-        learner = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        learner = ZmqLearnerReplay(srv.endpoint, key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
         other = make_group(seed=6, actor="a")  # a batch is two groups: the second on the socket
         sock.send_multipart(pack_parts("push", [encode_group(other)], key=KEY, id=2))
         assert sock.poll(5000) and unpack_parts(sock.recv_multipart(), key=KEY)[0]["status"] == "stored"
@@ -214,7 +214,7 @@ def test_hostile_references_get_errors_and_the_server_goes_on(arenas, tmp_path):
         assert srv.snapshot()["malformed_frames"] == len(bad)
         assert arena.state(off) == FREE  # refused content: the extent is given back
         sock.close(0)
-        client = ZmqReplayClient(srv.endpoint, actor="a", key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
+        client = ZmqActorReplay(srv.endpoint, actor="a", key=KEY, arena_bytes=1 << 20, arena_dir=str(arenas))
         client.hello()
         groups = [make_group(seed=i, actor="a") for i in range(2)]
         assert [client.push(g) for g in groups] == ["stored", "stored"]
@@ -253,10 +253,20 @@ def test_a_learner_lets_go_of_the_arena_of_an_actor_that_has_gone(arenas):
             assert len(learner.sample(step, 0, 0, timeout=10)) == 2
             learner.ack(step, 0)
         assert learner._reader._maps == {}  # the gone actor's memory is not kept alive
-        remote = ZmqReplayClient(srv.endpoint, key=KEY, arena_bytes=0)  # no reader at all
-        actor2 = ZmqReplayClient(srv.endpoint, actor="actor-1", key=KEY, arena_bytes=0)
+        remote = ZmqLearnerReplay(srv.endpoint, key=KEY, arena_bytes=0)  # no reader at all
+        actor2 = ZmqActorReplay(srv.endpoint, actor="actor-1", key=KEY, arena_bytes=0)
         for i in range(2):
             actor2.push(make_group(seed=100 + i))
         assert len(remote.sample(2, 0, 0, timeout=10)) == 2
     finally:
         srv.stop()
+
+
+def test_the_group_path_is_chosen_by_the_arena_size_and_a_bad_size_is_refused(tmp_path):
+    from replay.transport import ArenaPath, SocketPath, make_group_path
+
+    assert isinstance(make_group_path(0, str(tmp_path), "host"), SocketPath)
+    assert isinstance(make_group_path(1 << 20, str(tmp_path), None), SocketPath)
+    assert isinstance(make_group_path(1 << 20, str(tmp_path), "host"), ArenaPath)
+    with pytest.raises(ValueError, match="arena_bytes"):
+        make_group_path(-1, str(tmp_path), "host")

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from replay.buffer import ReplayBuffer
-from replay.client import ZmqReplayClient
+from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.log import BLOCK, ReplayLog, history
 from tests.replay.helpers import KEY, ReplayProcess, make_entry, make_group
 
@@ -147,8 +147,8 @@ def served_ids(groups) -> list[str]:
 @pytest.mark.parametrize("ack", ["before the kill", "after the kill"])
 def test_a_sigkilled_replay_gives_each_rank_its_own_shard_and_consumes_the_late_ack(tmp_path, ack):
     replay = ReplayProcess(tmp_path / "log", groups_per_step=4, learners=2)
-    actor = ZmqReplayClient(replay.endpoint, actor="actor-0", key=KEY, timeout=5, arena_bytes=0)
-    ranks = [ZmqReplayClient(replay.endpoint, key=KEY, timeout=5, check_every=1.0) for _ in range(2)]
+    actor = ZmqActorReplay(replay.endpoint, actor="actor-0", key=KEY, timeout=5, arena_bytes=0)
+    ranks = [ZmqLearnerReplay(replay.endpoint, key=KEY, timeout=5, check_every=1.0) for _ in range(2)]
     groups = [make_group(seed=i) for i in range(12)]
     assert [actor.push(g) for g in groups] == ["stored"] * 12
     served = served_ids(ranks[0].sample(0, 0, 0, timeout=10))  # rank 1 has not asked yet
@@ -186,8 +186,8 @@ def test_a_sigkilled_replay_gives_each_rank_its_own_shard_and_consumes_the_late_
 
 def test_an_ack_a_dead_replay_never_answered_is_sent_again_to_the_new_one(tmp_path):
     replay = ReplayProcess(tmp_path / "log")
-    actor = ZmqReplayClient(replay.endpoint, actor="actor-0", key=KEY, timeout=5, arena_bytes=0)
-    learner = ZmqReplayClient(replay.endpoint, key=KEY, timeout=5, check_every=1.0)
+    actor = ZmqActorReplay(replay.endpoint, actor="actor-0", key=KEY, timeout=5, arena_bytes=0)
+    learner = ZmqLearnerReplay(replay.endpoint, key=KEY, timeout=5, check_every=1.0)
     for i in range(4):
         actor.push(make_group(seed=i))
     trained = served_ids(learner.sample(0, 0, 0, timeout=10))

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from replay.client import ZmqReplayClient
+from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.log import ReplayLog
 from replay.wire import encode_group
 from tests.replay.helpers import KEY, free_port, make_group, start_replay
@@ -21,8 +21,8 @@ def test_sigkill_and_restart_loses_nothing_and_serves_nothing_twice(tmp_path, pa
     proc = start_replay(port, log_dir)
     endpoint = f"tcp://127.0.0.1:{port}"
     arena = (1 << 20) if path == "shared memory" else 0  # groups by reference, or as bytes
-    actor = ZmqReplayClient(endpoint, actor="actor-0", key=KEY, timeout=5, arena_bytes=arena)
-    learner = ZmqReplayClient(endpoint, key=KEY, timeout=5, check_every=1.0)
+    actor = ZmqActorReplay(endpoint, actor="actor-0", key=KEY, timeout=5, arena_bytes=arena)
+    learner = ZmqLearnerReplay(endpoint, key=KEY, timeout=5, check_every=1.0)
     groups = [make_group(seed=i) for i in range(10)]
     assert [actor.push(g) for g in groups] == ["stored"] * 10
     consumed = [g.group_id for g in learner.sample(0, 0, 0, timeout=10)]
@@ -52,14 +52,14 @@ def test_a_waiting_learner_and_a_pushing_actor_ride_through_a_restart(tmp_path):
     port, log_dir = free_port(), tmp_path / "log"
     endpoint = f"tcp://127.0.0.1:{port}"
     proc = start_replay(port, log_dir)
-    learner = ZmqReplayClient(endpoint, key=KEY, timeout=5, check_every=1.0)
+    learner = ZmqLearnerReplay(endpoint, key=KEY, timeout=5, check_every=1.0)
     got = []
     waiting = threading.Thread(target=lambda: got.extend(learner.sample(0, 0, 0, timeout=60)))
     waiting.start()  # parked: there is no data yet
     time.sleep(1.0)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    actor = ZmqReplayClient(endpoint, actor="actor-0", key=KEY, timeout=2)
+    actor = ZmqActorReplay(endpoint, actor="actor-0", key=KEY, timeout=2)
     pushing = threading.Thread(target=lambda: [actor.push(make_group(seed=i)) for i in range(2)])
     pushing.start()  # the server is down: the push waits and retries
     time.sleep(2.5)
@@ -78,8 +78,8 @@ def test_pipelined_sends_are_all_delivered_exactly_once_across_a_restart(tmp_pat
     port, log_dir = free_port(), tmp_path / "log"
     endpoint = f"tcp://127.0.0.1:{port}"
     proc = start_replay(port, log_dir)
-    actor = ZmqReplayClient(endpoint, actor="actor-0", key=KEY, timeout=2, window=4)
-    learner = ZmqReplayClient(endpoint, key=KEY, timeout=5, check_every=1.0)
+    actor = ZmqActorReplay(endpoint, actor="actor-0", key=KEY, timeout=2, window=4)
+    learner = ZmqLearnerReplay(endpoint, key=KEY, timeout=5, check_every=1.0)
     groups = [make_group(seed=i) for i in range(12)]
     for g in groups[:6]:
         actor.send(g)  # some acknowledged, some still in flight when the server dies
@@ -203,7 +203,7 @@ def test_a_log_that_cannot_be_written_stops_the_service_loudly_and_acknowledges_
                        "tcp://127.0.0.1:*")
     srv.start()
     try:
-        actor = ZmqReplayClient(srv.endpoint, actor="a", timeout=2)
+        actor = ZmqActorReplay(srv.endpoint, actor="a", timeout=2)
         assert actor.push(make_group(seed=1)) == "stored"
         os.close(srv.buffer.log.log._fd)  # the disk goes away under the log (a failure outside us)
         actor.send(make_group(seed=2))

@@ -5,7 +5,7 @@ import pytest
 import zmq
 
 from replay.buffer import ReplayBuffer
-from replay.client import ZmqReplayClient
+from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
 from replay.wire import WireError, encode_group, pack_parts, unpack, unpack_parts
 from tests.replay.helpers import make_group
@@ -79,10 +79,10 @@ def test_ten_thousand_bad_frames_then_a_normal_client_is_served(server):
     stats = server.snapshot()
     assert stats["malformed_frames"] >= 9_000 and replies >= 9_000
     assert stats["queue_groups"] == 0  # no corrupted group got in
-    client = ZmqReplayClient(server.endpoint, actor="a", key=KEY)
+    client = ZmqActorReplay(server.endpoint, actor="a", key=KEY)
     groups = [make_group(seed=10 + i, actor="a") for i in range(2)]
     assert [client.push(g) for g in groups] == ["stored", "stored"]
-    got = client.sample(step=0, rank=0, version=0, timeout=10)
+    got = ZmqLearnerReplay(server.endpoint, key=KEY).sample(step=0, rank=0, version=0, timeout=10)
     assert sorted(g.group_id for g in got) == sorted(g.group_id for g in groups)
 
 
@@ -110,7 +110,7 @@ def test_unsigned_and_tampered_messages_are_rejected_signed_ones_pass(server):
 
 
 def test_a_client_without_the_key_cannot_read_replies(server):
-    stranger = ZmqReplayClient(server.endpoint, actor="x", timeout=2)
+    stranger = ZmqActorReplay(server.endpoint, actor="x", timeout=2)
     with pytest.raises(WireError):
         stranger.hello()
 

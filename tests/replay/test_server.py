@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from replay.buffer import ReplayBuffer
-from replay.client import ZmqReplayClient
+from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
 from replay.wire import WireError
 
@@ -27,7 +27,7 @@ def test_listens_on_loopback_by_default(server):
 
 
 def test_round_trip_credits_push_and_sharded_sample(server):
-    actor = ZmqReplayClient(server.endpoint, actor="actor-0")
+    actor = ZmqActorReplay(server.endpoint, actor="actor-0")
     actor.hello()
     for _ in range(4):
         actor.request_credit()
@@ -41,7 +41,7 @@ def test_round_trip_credits_push_and_sharded_sample(server):
     shards = {}
 
     def learn(rank):
-        shards[rank] = ZmqReplayClient(server.endpoint).sample(step=0, rank=rank, version=0, timeout=10)
+        shards[rank] = ZmqLearnerReplay(server.endpoint).sample(step=0, rank=rank, version=0, timeout=10)
 
     threads = [threading.Thread(target=learn, args=(r,)) for r in (0, 1)]
     [t.start() for t in threads]
@@ -55,7 +55,7 @@ def test_round_trip_credits_push_and_sharded_sample(server):
 
 
 def test_credits_wait_until_the_learner_advances(server):
-    actor = ZmqReplayClient(server.endpoint, actor="a")
+    actor = ZmqActorReplay(server.endpoint, actor="a")
     for _ in range(9):
         actor.request_credit()
     got = []
@@ -64,7 +64,7 @@ def test_credits_wait_until_the_learner_advances(server):
     assert len(got) == 8  # (η + v + 1)·B = (1 + 0 + 1)·4
     for i in range(8):
         actor.push(make_group(seed=i, actor="a"))
-    learner = ZmqReplayClient(server.endpoint)
+    learner = ZmqLearnerReplay(server.endpoint)
     learner.sample(step=0, rank=0, version=0, timeout=5)
     learner.sample(step=0, rank=1, version=0, timeout=5)
     learner.sample(step=1, rank=0, version=1, timeout=5)  # version 1 opens B more credits
@@ -72,7 +72,7 @@ def test_credits_wait_until_the_learner_advances(server):
 
 
 def test_duplicate_push_is_stored_once(server):
-    actor = ZmqReplayClient(server.endpoint, actor="a")
+    actor = ZmqActorReplay(server.endpoint, actor="a")
     g = make_group()
     assert actor.push(g) == "stored"
     assert actor.push(g) == "duplicate"
@@ -81,7 +81,7 @@ def test_duplicate_push_is_stored_once(server):
 
 
 def test_pipelined_sends_are_acknowledged_and_deduplicated(server):
-    actor = ZmqReplayClient(server.endpoint, actor="a", window=3)
+    actor = ZmqActorReplay(server.endpoint, actor="a", window=3)
     groups = [make_group(seed=i) for i in range(7)]
     for g in groups + groups[:2]:
         actor.send(g)
@@ -113,11 +113,11 @@ def test_malformed_frames_get_errors_and_the_server_keeps_serving(server):
         assert sock.poll(5000)
         assert unpack_parts(sock.recv_multipart())[0]["type"] == "error"
     sock.close(0)
-    client = ZmqReplayClient(server.endpoint, actor="a")
+    client = ZmqActorReplay(server.endpoint, actor="a")
     assert client.push(make_group()) == "stored"
     assert client.stats()["malformed_frames"] == len(bad)
     with pytest.raises(WireError, match="rank"):
-        client.sample(step=0, rank=5, version=0, timeout=5)
+        ZmqLearnerReplay(server.endpoint).sample(step=0, rank=5, version=0, timeout=5)
 
 
 def test_credits_asked_for_together_come_in_one_request_and_bad_counts_are_refused(server):
@@ -138,12 +138,12 @@ def test_credits_asked_for_together_come_in_one_request_and_bad_counts_are_refus
 
 
 def test_a_learner_that_acks_without_waiting_goes_on_and_nothing_is_served_twice(server):
-    actor = ZmqReplayClient(server.endpoint, actor="a")
+    actor = ZmqActorReplay(server.endpoint, actor="a")
     groups = [make_group(seed=i, actor="a") for i in range(8)]
     for g in groups:
         actor.send(g)
     actor.flush(10)
-    learner = ZmqReplayClient(server.endpoint)
+    learner = ZmqLearnerReplay(server.endpoint)
     served = []
     for step in range(2):
         for rank in (0, 1):

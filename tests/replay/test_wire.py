@@ -99,3 +99,39 @@ def test_no_pickle_anywhere_on_the_wire():
     for part in ("replay", "actors", "learner", "launch", "envs", "policy"):
         for path in (root / part).rglob("*.py"):
             assert not re.search(r"^\s*(import pickle|from pickle|import cloudpickle)", path.read_text(), re.M), path
+
+
+def test_requests_decode_to_their_typed_struct_and_bad_fields_name_the_field_and_request_id():
+    from replay.messages import Credit, Sample, decode_request
+    from replay.wire import pack_parts
+
+    req, blobs = decode_request(pack_parts("sample", id=7, step=1, rank=0, version=2, acked=[[0, 0]]))
+    assert isinstance(req, Sample) and (req.id, req.step, req.acked, blobs) == (7, 1, [(0, 0)], [])
+    assert isinstance(decode_request(pack_parts("credit", id=1, actor="a", n=3))[0], Credit)
+    for fields, name in [({"type": "credit", "actor": "a", "n": 0}, "n"),
+                         ({"type": "credit", "actor": "", "n": 1}, "actor"),
+                         ({"type": "sample", "step": -1, "rank": 0, "version": 0}, "step"),
+                         ({"type": "sample", "step": 0, "rank": 0, "version": 0, "acked": [[0, 0]] * 65}, "acked"),
+                         ({"type": "shutdown"}, "type")]:
+        header = msgpack.packb({"v": 1, "id": 9, "blobs": 0, **fields})
+        with pytest.raises(WireError, match=name) as info:
+            decode_request([header])
+        assert info.value.id == 9
+    with pytest.raises(WireError, match="blob count"):
+        decode_request(pack_parts("push", [b"x"])[:1])
+
+
+def test_replies_decode_to_their_typed_struct_and_bad_ones_are_refused():
+    from replay.messages import Batch, Granted, decode_reply
+    from replay.wire import pack_parts
+
+    reply, blobs = decode_reply(pack_parts("batch", [b"g"], id=4, epoch="e", step=0, version=1,
+                                           refs=[None, ["arena", 4096, 10]]))
+    assert isinstance(reply, Batch) and reply.refs == [None, ("arena", 4096, 10)] and blobs == [b"g"]
+    assert decode_reply(pack_parts("credit", versions=[0, 1]))[0] == Granted(v=1, versions=[0, 1])
+    for fields, name in [({"type": "credit", "versions": [-1]}, "versions"),
+                         ({"type": "acks", "acks": [[1]]}, "acks"),
+                         ({"type": "batch", "step": 0, "version": 0, "refs": [["a", -1, 1]]}, "refs"),
+                         ({"type": "pickle"}, "type")]:
+        with pytest.raises(WireError, match=name):
+            decode_reply([msgpack.packb({"v": 1, "blobs": 0, **fields})])
