@@ -37,7 +37,7 @@ from actors.envrunner import EnvRunner
 from actors.rollout import Episode, close, driver, start
 from envs.base import TextEnv
 from replay.client import ActorReplay, ReplayUnavailable
-from replay.weights import WeightSource
+from weights.subscriber import WeightSource
 from replay.wire import Group
 
 log = logging.getLogger("tandem.actor")

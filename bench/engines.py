@@ -71,10 +71,10 @@ def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int) -> flo
     from actors.actor import Actor, ActorConfig
     from actors.engine import make_engine
     from bench.parity import random_adapter
-    from replay.weights import Adapter
     from envs import make_env
     from launch.config import Config
     from policy import Chat, load_tokenizer
+    from policy.adapter import Adapter
 
     cfg = Config()
     actor_cfg = ActorConfig(engine=kind)

@@ -114,6 +114,7 @@ def learner_steps(config, device: str, rows: int, tokens: int, warmup: int, step
         peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     finally:
         learner.close()
+        learner.publisher.close()
     loss = float(metrics["loss"])
     if loss != loss or abs(loss) == float("inf"):
         raise RuntimeError(f"the step's loss is {loss}")

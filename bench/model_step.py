@@ -101,13 +101,15 @@ def world1_learner(cfg, base_config, name: str):
     from learner.trainer import Learner
     from replay.buffer import ReplayBuffer
     from replay.client import LocalReplay
+    from weights.publisher import WeightPublisher
 
     replay = LocalReplay(ReplayBuffer(groups_per_step=1, max_staleness=1_000_000), actor="bench")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     torch.manual_seed(0)
-    return Learner(cfg, name, 0, 1, url, replay, base_config=base_config), replay
+    # A real publisher, as rank 0 of a run has: a step's figures include publishing (bench closes it).
+    return Learner(cfg, name, 0, 1, url, replay, base_config=base_config, publisher=WeightPublisher()), replay
 
 
 def _status_mb(key: str) -> float:
@@ -150,6 +152,7 @@ def child(args: argparse.Namespace) -> dict:
             peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     finally:
         learner.close()
+        learner.publisher.close()
     return {"variant": args.child, "logit_chunk": chunk, "peak_rss_mb": round(peak_mb, 1),
             "setup_rss_mb": round(setup_mb, 1), "step_s": sig(sum(times) / len(times)),
             "train_s": sig(metrics["train_s"]), "loss": metrics["loss"], "peak_scope": scope}

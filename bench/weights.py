@@ -5,8 +5,8 @@ Qwen3-8B-sized decoder: 36 layers, hidden 4,096, MLP 12,288, 32 query and 8 KV h
 PEFT state-dict names, random values) through the weight channel, signed with a run key, to
 several subscriber processes on this host. Time: from `publish` until every subscriber has the
 whole adapter, checked, its tensors decoded. The channel runs twice: as it runs (subscribers
-beside the publisher read each version from shared memory, replay/shm_weights.py), and with
-that path off (`shm=False`: the socket, as subscribers on other hosts get it, every chunk's
+beside the publisher read each version from shared memory, weights/shm.py), and with
+that path off (`transport="socket"`: the socket, as subscribers on other hosts get it, every chunk's
 digest checked). The baseline sends the same bytes, in frames of the same size, through a bare
 ZeroMQ PUB/SUB pair to the same number of processes, timed until every subscriber has received
 them all. A second baseline does the same and hashes every byte once at each subscriber with
@@ -78,7 +78,7 @@ def lora_shapes(args: Args) -> dict[str, tuple[int, int]]:
 
 
 def _channel_sub(endpoints, key, expect, versions, ready, done) -> None:
-    from replay.weights import WeightSubscriber
+    from weights.subscriber import WeightSubscriber
 
     sub = WeightSubscriber(endpoints, key=key)
     ready.put(os.getpid())
@@ -139,8 +139,9 @@ def main(args: Args) -> dict:
     import torch
     import zmq
 
-    from replay.tensorblob import to_safetensors
-    from replay.weights import Adapter, WeightPublisher
+    from weights.format import to_safetensors
+    from policy.adapter import Adapter
+    from weights.publisher import WeightPublisher
 
     ctx = mp.get_context("spawn")
     shapes = lora_shapes(args)
@@ -154,7 +155,7 @@ def main(args: Args) -> dict:
     key = os.urandom(32) if args.signed else None
 
     publishers = {"channel": WeightPublisher(key=key, dtype=args.dtype, chunk_bytes=chunk),
-                  "socket": WeightPublisher(key=key, dtype=args.dtype, chunk_bytes=chunk, shm=False)}
+                  "socket": WeightPublisher(key=key, dtype=args.dtype, chunk_bytes=chunk, transport="socket")}
     bare = zmq.Context.instance().socket(zmq.PUB)
     bare.setsockopt(zmq.SNDHWM, 1000)
     bare.bind("tcp://127.0.0.1:*")
@@ -224,7 +225,7 @@ def main(args: Args) -> dict:
     print(f"{'path':<50}{'seconds':>9}{'GB/s out':>10}   runs (s)")
     for label, name in (("bare ZeroMQ PUB/SUB", "bare"), ("bare + BLAKE3 of every byte at each subscriber", "hashed"),
                         ("weight channel (publish to all decoded)", "channel"), ("  of which publish()", "publish"),
-                        ("weight channel, socket path (shm=False)", "socket"),
+                        ("weight channel, socket path (transport='socket')", "socket"),
                         ("  of which publish()", "publish_socket")):
         rate = size * args.subscribers / max(med[name], TICK) / 1e9 if not name.startswith("publish") else float("nan")
         print(f"{label:<50}{med[name]:>9.4g}{rate:>10.2f}   " + " ".join(f"{t:.4g}" for t in times[name]))

@@ -195,7 +195,7 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
     from launch.parts import make_evaluator
     from learner.checkpoint import Checkpoints
     from policy.adapter import read_adapter
-    from replay.weights import WeightSubscriber
+    from weights.subscriber import WeightSubscriber
 
     evaluator = make_evaluator(cfg, model_path)  # where the actors run the policy
     sub = WeightSubscriber(weights, key=key, host_key=cluster.host_key())

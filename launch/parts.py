@@ -146,7 +146,7 @@ class LearnerPart:
             os.environ["LOCAL_RANK"] = "0"  # the rank sees its own GPU alone, as cuda:0 (learner/trainer.py)
         _threads(cfg.learner.threads)
         self.cfg, self.model_path, self.rank, self.replay_endpoint, self.key = cfg, model_path, rank, replay_endpoint, key
-        self.learner = self.colocated = None
+        self.learner = self.colocated = self.publisher = None
 
     def rendezvous(self) -> str:
         """The learners' torch.distributed address: a free port on this (rank 0's) node."""
@@ -154,13 +154,14 @@ class LearnerPart:
 
     def setup(self, dist_url: str, resume: bool = False, weight_ports: tuple[int, int] = (0, 0)):
         """Join the process group at `dist_url`, load the model (with `resume`, the run's newest
-        checkpoint); rank 0 returns the weight channel's endpoints, on `weight_ports` when given
-        (a restarted group: the actors are subscribed there)."""
+        checkpoint); rank 0 builds the weight publisher and returns its endpoints, on
+        `weight_ports` when given (a restarted group: the actors are subscribed there)."""
         import torch
 
         from learner.checkpoint import Checkpoints
         from learner.trainer import Learner
         from replay.zmq_client import ZmqLearnerReplay
+        from weights.publisher import WeightPublisher
 
         cfg = self.cfg
         bind, advertise = cluster.listen(cfg.listen_host)
@@ -168,15 +169,17 @@ class LearnerPart:
         torch.manual_seed(cfg.seed)  # same adapter initialisation on every rank
         replay = ZmqLearnerReplay(self.replay_endpoint, key=self.key, arena_bytes=cfg.replay.arena_mb << 20,
                                   host=cluster.host_key())
+        if self.rank == 0:
+            self.publisher = WeightPublisher(bind, *weight_ports, key=self.key, advertise=advertise,
+                                             host_key=cluster.host_key())
         self.learner = Learner(cfg.learner, self.model_path, self.rank, cfg.learners, dist_url, replay,
-                               temperature=cfg.actor.temperature, host=bind, advertise=advertise, key=self.key,
-                               algo=cfg.algo, correction=cfg.correction, horizon=cfg.steps,
-                               checkpoints=Checkpoints(cfg.run_dir, cfg.keep_checkpoints),
-                               weight_ports=weight_ports, host_key=cluster.host_key())
-        endpoints = self.learner.setup(resume=resume)
+                               temperature=cfg.actor.temperature, algo=cfg.algo, correction=cfg.correction,
+                               horizon=cfg.steps, checkpoints=Checkpoints(cfg.run_dir, cfg.keep_checkpoints),
+                               publisher=self.publisher)
+        self.learner.setup(resume=resume)
         if cfg.colocate:
             self._colocate()
-        return endpoints
+        return self.publisher.endpoints if self.publisher is not None else None
 
     def _colocate(self) -> None:
         """Colocated mode: this rank plays its share of every step's groups before the step."""
@@ -213,6 +216,8 @@ class LearnerPart:
             if self.colocated is not None:
                 self.colocated.close()  # a colocated vLLM engine's processes end with the rank
             self.learner.close()
+            if self.publisher is not None:
+                self.publisher.close()
 
     def drain_metrics(self) -> list[dict]:
         return self.learner.drain_metrics()
@@ -228,7 +233,7 @@ class ActorPart:
         from actors.engine import make_engine
         from envs import make_env
         from replay.zmq_client import ZmqActorReplay
-        from replay.weights import WeightSubscriber
+        from weights.subscriber import WeightSubscriber
 
         claim_devices(cfg.actor.num_gpus, "--actor.gpus")
         _threads(cfg.actor.threads)

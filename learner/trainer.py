@@ -22,8 +22,10 @@ forward routes the LoRA layers through its adapter; only the policy adapter
 ("default") is gathered and published. Policy and critic gradients are clipped
 separately, so a large value loss cannot shrink the policy's step.
 
-Shutdown is deliberate: the weight publisher's thread is joined and the process
-group destroyed in `close()`, otherwise gloo aborts the process at exit.
+The learner is handed its weight publisher (weights/publisher.py's `Publisher`: rank 0
+has one, other ranks None) as it is handed its replay client; whoever built either closes
+it. Shutdown is deliberate: the process group is destroyed in `close()`, otherwise gloo
+aborts the process at exit.
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, LearnerConfig, lr_factor
+from policy.adapter import Adapter
+
+if TYPE_CHECKING:
+    from weights.publisher import Publisher
 
 POLICY, CRITIC = "default", "critic"
 """PEFT adapter names: the policy (published to actors) and PPO's critic (never published)."""
@@ -44,8 +51,8 @@ class Learner:
     Usage (every rank, each in its own process)::
 
         learner = Learner(cfg, model_path, rank, world, "tcp://127.0.0.1:29500", replay, algo="ppo",
-                          horizon=steps)
-        endpoints = learner.setup()     # rank 0: the weight channel's endpoints
+                          horizon=steps, publisher=publisher if rank == 0 else None)
+        learner.setup()                 # publishes the current adapter (version 0 on a fresh run)
         for _ in range(steps):
             metrics = learner.step()    # or learner.run(steps)
         learner.save_to(logdir / "adapter")
@@ -53,10 +60,9 @@ class Learner:
     """
 
     def __init__(self, cfg: LearnerConfig, model_path: str, rank: int, world: int, dist_url: str,
-                 replay, temperature: float = 1.0, host: str = "127.0.0.1", key: bytes | None = None,
-                 algo: str = DEFAULT_ALGO, correction: str = DEFAULT_CORRECTION,
-                 horizon: int | None = None, advertise: str | None = None, checkpoints=None,
-                 weight_ports: tuple[int, int] = (0, 0), base_config=None, host_key: str | None = None) -> None:
+                 replay, temperature: float = 1.0, algo: str = DEFAULT_ALGO,
+                 correction: str = DEFAULT_CORRECTION, horizon: int | None = None, checkpoints=None,
+                 publisher: Publisher | None = None, base_config=None) -> None:
         from learner.losses import ALGOS, CORRECTIONS
 
         if algo not in ALGOS:
@@ -64,8 +70,8 @@ class Learner:
         if correction not in CORRECTIONS:
             raise ValueError(f"unknown --correction {correction!r}; choose one of {', '.join(CORRECTIONS)}")
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
-        self.dist_url, self.replay, self.temperature, self.host = dist_url, replay, temperature, host
-        self.key, self.algo, self.correction, self.advertise = key, algo, correction, advertise
+        self.dist_url, self.replay, self.temperature = dist_url, replay, temperature
+        self.algo, self.correction = algo, correction
         self.version = 0
         """Adapters published so far: the policy version of the current weights."""
         self.steps_done = 0
@@ -73,7 +79,6 @@ class Learner:
         to `version` unless the group went back to a checkpoint (learner/checkpoint.py)."""
         self.checkpoints = checkpoints
         """A learner.checkpoint.Checkpoints of the run directory, or None (no checkpoints)."""
-        self.weight_ports, self.host_key = weight_ports, host_key
         self.before_step = None
         """Called before each step of `run` on every rank (colocated mode: generate the step's
         groups, launch/colocate.py); its seconds are the step's `generate_s`."""
@@ -87,7 +92,8 @@ class Learner:
         if horizon is not None and horizon < 1:
             raise ValueError(f"the learning-rate schedule's horizon must be at least 1 step, got {horizon}")
         self._horizon = horizon
-        self.publisher = None
+        self.publisher = publisher
+        """Where adapters are published (weights/publisher.py), or None (ranks other than 0)."""
         self.value_head = None
         self.metrics: list[dict] = []
         self._lock = threading.Lock()
@@ -100,9 +106,9 @@ class Learner:
         return self._horizon
 
     # -- setup ----------------------------------------------------------------
-    def setup(self, resume: bool = False):
-        """Join the process group, load and shard the model, publish the current adapter; rank 0
-        returns the weight channel's endpoints. With `resume`, the newest checkpoint of
+    def setup(self, resume: bool = False) -> None:
+        """Join the process group, load and shard the model, publish the current adapter. With
+        `resume`, the newest checkpoint of
         `checkpoints` (if any) is loaded first, and versions go on from the run's highest."""
         import torch
         import torch.distributed as dist
@@ -134,16 +140,9 @@ class Learner:
             self.critic_params += list(self.value_head.parameters())
             groups.append({"params": self.critic_params, "lr": self.cfg.critic_lr, "base_lr": self.cfg.critic_lr})
         self.optimizer = torch.optim.AdamW(groups, weight_decay=self.cfg.weight_decay)
-        if self.rank == 0:
-            from replay.weights import WeightPublisher
-
-            self.publisher = WeightPublisher(self.host, *self.weight_ports, key=self.key, advertise=self.advertise,
-                                             dtype="bfloat16" if self.dtype == torch.bfloat16 else None,
-                                             host_key=self.host_key)
         if resume:
             self._resume()
         self._publish()  # the current adapter (version 0: the identity), so late joiners can ask for it
-        return self.publisher.endpoints if self.publisher else None
 
     def _resume(self) -> None:
         """Load the newest checkpoint; the version goes on from the highest the run published
@@ -422,12 +421,9 @@ class Learner:
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to("cpu", dtype, copy=True)
                 for k, v in state.items()}
 
-    def adapter(self, dtype: torch.dtype | None = None):
-        """A snapshot of the current policy version as the weight channel carries it (a
-        `replay.weights.Adapter`, in `dtype` if given); every rank must call, as for
-        `adapter_tensors`."""
-        from replay.weights import Adapter
-
+    def adapter(self, dtype: torch.dtype | None = None) -> Adapter:
+        """A snapshot of the current policy version as the weight channel carries it (in `dtype` if
+        given); every rank must call, as for `adapter_tensors`."""
         return Adapter(self.version, self.model_path, self.cfg.lora.to_dict(), self.adapter_tensors(dtype))
 
     @property
@@ -496,9 +492,6 @@ class Learner:
     def close(self) -> None:
         import torch.distributed as dist
 
-        if self.publisher is not None:
-            self.publisher.close()
-            self.publisher = None
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -1,4 +1,8 @@
-"""The adapter on disk: one LoRA adapter as a directory in PEFT's format.
+"""The adapter: one version of the policy's LoRA adapter (`Adapter`), and its format on disk.
+
+`Adapter` is the one adapter type: the learner snapshots it, the weight channel (weights/)
+carries it, engines load it, and `read_adapter` gives it back from a directory. On disk it is
+a directory in PEFT's format:
 
     <dir>/adapter_model.safetensors   the tensors, under PEFT's state-dict names
     <dir>/adapter_config.json         PEFT's LoraConfig, with the adapted modules named
@@ -20,7 +24,7 @@ Design decisions:
   stable from run to run and reads well.
 - Tensors are written as given (after `contiguous().cpu()`): whoever saves
   chooses the dtype (the learner its training dtype, an actor the wire's).
-- Reading an adapter back gives its whole LoRA spec (`SavedAdapter.lora_spec`:
+- Reading an adapter back gives its whole LoRA spec (`Adapter.lora_spec`:
   rank, alpha, target modules), so an engine is built with the adapter as it
   was trained. A config the engines cannot apply as written (a module pattern
   instead of names, tensors of other modules than it names, PEFT options such
@@ -46,22 +50,26 @@ UNSUPPORTED = ("use_dora", "use_rslora", "layers_to_transform", "rank_pattern", 
 
 
 @dataclass
-class SavedAdapter:
-    """An adapter read back from its directory."""
+class Adapter:
+    """One version of the policy's LoRA adapter: from the learner, over the weight channel, or
+    read back from its directory."""
 
     version: int
+    """The policy version: the number of adapters the learner had published with this one."""
     base_model: str
     """The base model it was trained on (`base_model_name_or_path` of its config)."""
     config: dict[str, Any]
     """PEFT's adapter config (`r`, `lora_alpha`, `target_modules`, ...)."""
     tensors: dict  # name -> torch.Tensor (PEFT state-dict names)
-    path: Path
-    """The directory it was read from."""
+    path: Path | None = None
+    """The directory it was read from (None for one that never was on disk)."""
 
     def lora_spec(self) -> LoraSpec:
         """The LoRA spec it was trained with (rank, alpha, target modules), to build an engine
         or a learner for it; ValueError naming the adapter and what an engine could not apply."""
-        config, where = self.config, self.path / CONFIG_FILE
+        config = self.config
+        where = self.path / CONFIG_FILE if self.path is not None else f"adapter version {self.version}"
+        weights = self.path / WEIGHTS_FILE if self.path is not None else "the adapter"
         try:
             rank, alpha = int(config["r"]), float(config["lora_alpha"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -76,10 +84,10 @@ class SavedAdapter:
         adapted = _modules(self.tensors)
         if targets != ["all-linear"] and adapted != set(targets):
             raise ValueError(f"{where}: target_modules {sorted(targets)}, but the tensors of "
-                             f"{self.path / WEIGHTS_FILE} adapt {sorted(adapted)}")
+                             f"{weights} adapt {sorted(adapted)}")
         ranks = {t.shape[0] for name, t in self.tensors.items() if ".lora_A." in name and t.dim() == 2}
         if ranks - {rank}:
-            raise ValueError(f"{where}: r is {rank}, but the tensors of {self.path / WEIGHTS_FILE} have "
+            raise ValueError(f"{where}: r is {rank}, but the tensors of {weights} have "
                              f"rank {sorted(ranks)}")
         unsupported = [k for k in UNSUPPORTED if config.get(k)]
         if unsupported:
@@ -121,7 +129,7 @@ def write_adapter(path: str | Path, tensors: dict, spec: LoraSpec, base_model: s
     return path
 
 
-def read_adapter(path: str | Path) -> SavedAdapter:
+def read_adapter(path: str | Path) -> Adapter:
     """The adapter saved in the directory `path`; FileNotFoundError that names the missing file,
     ValueError for a file that is not what it should be."""
     from safetensors.torch import load_file
@@ -139,4 +147,4 @@ def read_adapter(path: str | Path) -> SavedAdapter:
     if not isinstance(config, dict):
         raise ValueError(f"{path / CONFIG_FILE} holds no JSON object")
     tensors = load_file(str(path / WEIGHTS_FILE))
-    return SavedAdapter(version, config.get("base_model_name_or_path") or "", config, tensors, path)
+    return Adapter(version, config.get("base_model_name_or_path") or "", config, tensors, path)

@@ -1,8 +1,9 @@
 """Imports run one way (docs: DESIGN.md, "Imports run one way").
 
-launch/ may import every part; actors/ imports replay/ (wire types), envs/ and the
-policy; learner/ imports replay/ and the policy; envs/, replay/ and policy/ import no
-other part; actors/ and learner/ never import each other. No part imports bench/ or
+launch/ may import every part; actors/ imports replay/ (wire types), weights/, envs/
+and the policy; learner/ imports replay/, weights/ and the policy; envs/, replay/ and
+policy/ import no other part, and weights/ none but the policy's adapter format
+(policy.adapter); actors/ and learner/ never import each other. No part imports bench/ or
 tests/. Every import counts: at the top of a module or inside a function, relative
 ones, and `importlib.import_module` / `__import__` of a name written in the code.
 """
@@ -11,16 +12,19 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("actors", "learner", "replay", "envs", "policy", "launch")
+PARTS = ("actors", "learner", "replay", "weights", "envs", "policy", "launch")
 ALLOWED = {
     "launch": set(PARTS),
-    "actors": {"replay", "envs", "policy"},
-    "learner": {"replay", "policy"},
+    "actors": {"replay", "weights", "envs", "policy"},
+    "learner": {"replay", "weights", "policy"},
     "envs": set(),
     "replay": set(),
+    "weights": {"policy"},
     "policy": set(),
 }
 """Which parts each part may import (its own package always)."""
+ONLY = {("weights", "policy"): {"policy.adapter"}}
+"""Where a part may import only some modules of another: weights/ takes the adapter format alone."""
 PROJECT = set(PARTS) | {"bench", "tests"}
 
 
@@ -69,6 +73,8 @@ def test_imports_run_one_way():
                 top = name.split(".")[0]
                 if top in PROJECT and top != part and top not in ALLOWED[part]:
                     wrong.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+                elif (part, top) in ONLY and name not in ONLY[part, top]:
+                    wrong.append(f"{path.relative_to(ROOT)}:{line} imports {name} (only {sorted(ONLY[part, top])})")
     assert not wrong, "imports against DESIGN.md's one-way rule:\n" + "\n".join(wrong)
 
 

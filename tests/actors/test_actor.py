@@ -13,7 +13,10 @@ from policy.load import LoraSpec
 from replay.buffer import ReplayBuffer
 from replay.client import LocalReplay
 from replay.wire import decode_group
-from replay.weights import Adapter, WeightPublisher, WeightSubscriber, decode_adapter, encode_adapter
+from policy.adapter import Adapter
+from weights.chunks import decode_adapter, encode_adapter
+from weights.publisher import WeightPublisher
+from weights.subscriber import WeightSubscriber
 
 LORA = LoraSpec(rank=4)
 

@@ -17,7 +17,8 @@ from envs.base import TextEnv
 from policy.load import LoraSpec
 from replay.buffer import ReplayBuffer
 from replay.client import LocalReplay
-from replay.weights import WeightPublisher, WeightSubscriber
+from weights.publisher import WeightPublisher
+from weights.subscriber import WeightSubscriber
 from replay.wire import decode_group
 
 LORA = LoraSpec(rank=4)

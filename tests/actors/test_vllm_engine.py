@@ -265,7 +265,9 @@ def test_an_actor_plays_with_vllm_and_records_the_version_of_every_token(engine,
     from envs import make_env
     from replay.buffer import ReplayBuffer
     from replay.client import LocalReplay
-    from replay.weights import Adapter, WeightPublisher, WeightSubscriber
+    from policy.adapter import Adapter
+    from weights.publisher import WeightPublisher
+    from weights.subscriber import WeightSubscriber
     from replay.wire import decode_group
 
     base = engine.version

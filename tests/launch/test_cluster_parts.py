@@ -27,7 +27,9 @@ def test_the_replay_service_and_the_weight_channel_advertise_what_they_are_reach
     from replay.buffer import ReplayBuffer
     from replay.zmq_client import ZmqActorReplay
     from replay.server import ReplayServer
-    from replay.weights import Adapter, WeightPublisher, WeightSubscriber
+    from policy.adapter import Adapter
+    from weights.publisher import WeightPublisher
+    from weights.subscriber import WeightSubscriber
     from tests.replay.helpers import make_group
 
     import torch

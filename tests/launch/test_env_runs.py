@@ -19,7 +19,8 @@ from launch.config import Config
 from learner.trainer import Learner
 from replay.buffer import ReplayBuffer
 from replay.client import LocalReplay
-from replay.weights import WeightSubscriber
+from weights.publisher import WeightPublisher
+from weights.subscriber import WeightSubscriber
 
 GROUPS, GROUP_SIZE = 2, 4
 
@@ -34,12 +35,14 @@ def play_and_train(cfg: Config, model: str) -> tuple[dict, dict]:
     """Two groups played with the learner's v0, one learner step on them, then more with
     v1: the actor's stats and the step's metrics."""
     buffer = ReplayBuffer(groups_per_step=GROUPS, max_staleness=cfg.max_staleness)
+    publisher = WeightPublisher()
     learner = Learner(cfg.learner, model, 0, 1, free_url(), LocalReplay(buffer, actor="learner-0"),
-                      temperature=cfg.actor.temperature, algo=cfg.algo, correction=cfg.correction, horizon=2)
+                      temperature=cfg.actor.temperature, algo=cfg.algo, correction=cfg.correction, horizon=2,
+                      publisher=publisher)
     subscriber = None
     try:
-        endpoints = learner.setup()
-        subscriber = WeightSubscriber(endpoints)
+        learner.setup()
+        subscriber = WeightSubscriber(publisher.endpoints)
         engine = make_engine(cfg.actor.engine, model, cfg.learner.lora, device="cpu", seed=0,
                              **cfg.actor.engine_options())
         kwargs = cfg.env_kwargs()
@@ -53,6 +56,7 @@ def play_and_train(cfg: Config, model: str) -> tuple[dict, dict]:
         if subscriber is not None:
             subscriber.close()
         learner.close()
+        publisher.close()
 
 
 def config(env: str, *flags: str) -> Config:

@@ -22,12 +22,13 @@ def _learner(rank, model, endpoint, url, run_dir):
 
     from learner.config import LearnerConfig
     from learner.trainer import Learner
+    from weights.local import InProcessWeights
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = LearnerConfig(lr=1e-2, groups_per_step=4, micro_batch=4)
     return Learner(cfg, model, rank, 2, url, ZmqLearnerReplay(endpoint), algo="ppo", horizon=HORIZON,
-                   checkpoints=Checkpoints(run_dir, keep=2))
+                   checkpoints=Checkpoints(run_dir, keep=2), publisher=InProcessWeights() if rank == 0 else None)
 
 
 def _state(learner) -> dict:

@@ -124,7 +124,11 @@ def _bf16_rank(rank, url, model_path, endpoint, algo, out):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = LearnerConfig(lr=1e-2, groups_per_step=4, dtype="bfloat16")
-    learner = Learner(cfg, model_path, rank, 2, url, ZmqLearnerReplay(endpoint), algo=algo)
+    from weights.publisher import WeightPublisher
+
+    key = b"run key"
+    publisher = WeightPublisher(key=key) if rank == 0 else None
+    learner = Learner(cfg, model_path, rank, 2, url, ZmqLearnerReplay(endpoint), algo=algo, publisher=publisher)
     try:
         learner.setup()
         model = learner.model
@@ -143,9 +147,9 @@ def _bf16_rank(rank, url, model_path, endpoint, algo, out):
                  if s.ndim > 0]
         wire = None
         if rank == 0:  # what the actors get: the new version, as a subscriber asks for it
-            from replay.weights import WeightSubscriber
+            from weights.subscriber import WeightSubscriber
 
-            sub = WeightSubscriber(learner.publisher.endpoints, key=learner.key)
+            sub = WeightSubscriber(publisher.endpoints, key=key)
             got = sub.latest(timeout=20)
             sub.close()
             wire = dict(version=got.version, dtypes={v.dtype for v in got.tensors.values()},
@@ -157,6 +161,8 @@ def _bf16_rank(rank, url, model_path, endpoint, algo, out):
                             state_dtypes={s.dtype for s in state}, states=len(state))))
     finally:
         learner.close()
+        if publisher is not None:
+            publisher.close()
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])

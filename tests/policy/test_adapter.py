@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from policy.adapter import SavedAdapter, adapter_config, read_adapter, write_adapter
+from policy.adapter import Adapter, adapter_config, read_adapter, write_adapter
 from policy.load import LoraSpec, load_model, with_lora
 
 SPECS = [LoraSpec(), LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])]
@@ -50,7 +50,7 @@ def test_an_adapter_reads_back_whole_and_peft_loads_it(tiny_model, spec, tmp_pat
     model, tensors = _trained(tiny_model, spec)
     write_adapter(tmp_path, tensors, spec, tiny_model, 3)
     saved = read_adapter(tmp_path)
-    assert isinstance(saved, SavedAdapter) and saved.version == 3 and saved.base_model == tiny_model
+    assert isinstance(saved, Adapter) and saved.version == 3 and saved.base_model == tiny_model
     assert saved.config["r"] == spec.rank and saved.config["lora_alpha"] == spec.alpha
     assert "all-linear" not in saved.config["target_modules"]  # named explicitly, as vLLM needs
     assert saved.tensors.keys() == tensors.keys()

@@ -1,4 +1,4 @@
-"""Fixtures of the replay and weight-channel tests."""
+"""Fixtures of the replay tests."""
 
 import pytest
 

@@ -1,71 +1,43 @@
 """An adapter on the wire: safetensors bytes cut into chunks that each fit the frame cap.
 
-The weight channel (replay/weights.py) sends an adapter (format 3) as `count` chunk messages,
-then one frame that commits it:
+The weight channel sends an adapter (format 3) as `count` chunk messages, then one frame that
+commits it (the messages are weights/wire.py's Structs, signed with the run's key):
 
-    [header, data...]  header = pack("adapter_chunk.v3", version, index, count, total, frames, mac,
-                                     base_model and config on chunk 0), signed with the run's key
-                       data   = bytes [index·chunk, (index+1)·chunk) of the safetensors blob, in
-                                `frames` frames (one for each piece of the blob the chunk spans)
-    [commit]           commit = pack("adapter_commit.v3", version, count, total, digest), signed
+    [ChunkHeader, data...]  data = bytes [index·chunk, (index+1)·chunk) of the safetensors blob,
+                            in `frames` frames (one for each piece of the blob the chunk spans)
+    [Commit]                the count, length and digest the chunks must add up to
 
 and the commit again every `announce_s` (it is also the announcement of the newest version).
 
-Decisions, and why:
-
-- **BLAKE3, keyed.** `mac` is the BLAKE3 of this chunk's data in keyed mode, under a key derived
-  from the run's key (BLAKE3's derive_key mode, context "tandem adapter chunk v1"): a MAC that
-  authenticates the data itself; without a run key it is the plain BLAKE3, an integrity check.
-  The header is signed as every frame (HMAC-SHA256, replay.wire's `pack`), so it binds the data's
-  MAC to its version and index. BLAKE3 runs at ~4 GiB/s a core where SHA-256 runs at ~1.6; every
-  byte is still hashed once on each side, and on a small machine that pass is most of what the
-  channel costs beyond the socket (bench/weights.py, docs/weights.md).
-- **Sent as hashed.** The adapter's `digest` (keyed BLAKE3 of the chunks' MACs in order, a hash
-  list as BitTorrent's pieces) travels in the commit, after the last chunk, not in every header:
-  the publisher hashes chunk i, sends it, hashes chunk i + 1, and ZeroMQ's I/O thread sends while
-  it hashes. The subscriber checks each chunk as it arrives and delivers the adapter only once
-  the commit has come and its count, length and digest match what arrived: chunks of two
-  different adapters that claim one version (two learners) do not add up to one digest.
-- **Formats never mix.** Format 1 (SHA-256 digests, "adapter_chunk" / "adapter_head") and format 2
-  (one data frame a chunk, ".v2") are not read: a signed frame of them is a `BrokenAdapter` that
-  names the format, so that a learner and actors of different Tandem versions stop with that
-  message rather than drop each other's frames.
-- **No copies.** The blob is never joined: it is the header, then each tensor's own memory where
-  the tensor is already in the wire dtype, contiguous and on the CPU (the learner hands over a
-  snapshot), else a converted copy of it. ZeroMQ sends each piece a chunk spans as a frame,
-  without copying. The subscriber keeps the frames as ZeroMQ received them, and the decoded
-  tensors are views of them: only a tensor that straddles two chunks is copied. So the format
-  is read and written in replay/tensorblob.py (a small, documented format: 8-byte header length, JSON
-  header, contiguous little-endian data), and a test pins that `safetensors` reads what we
-  write and we read what it writes.
-- **What a failure means.** A frame that is unsigned, wrongly signed or not our schema is a
-  stranger's or garbage: `WireError`, rejected and counted. A frame whose header is signed and
-  well formed comes from our publisher (without a key: any frame of our schema); if its adapter
-  cannot be rebuilt (a chunk missing or corrupt, a commit that never comes, digests that do not
-  add up, bytes that are not safetensors, header fields of the wrong type, the old format) that
-  is `BrokenAdapter`, which the subscriber must not swallow.
+Decisions (the reasons and measurements: docs/weights.md):
+- **BLAKE3, keyed.** A header's `mac` is the keyed BLAKE3 of its chunk's data under a key derived
+  from the run's key (plain BLAKE3 without one); the signed header binds it to version and index.
+- **Sent as hashed.** The adapter's digest (BLAKE3 of the MACs in order) travels in the commit,
+  after the last chunk: the publisher hashes chunk i + 1 while ZeroMQ sends chunk i.
+- **Formats never mix.** A signed frame of format 1 or 2 is a `BrokenAdapter` that names it.
+- **No copies.** The blob is never joined (weights/format.py): tensors travel from their own
+  memory and arrive as views of the frames; only a tensor that straddles two chunks is copied.
+- **What a failure means.** A stranger's frame or garbage is a `WireError` (rejected, counted);
+  an adapter of our own publisher that cannot be rebuilt is a `BrokenAdapter`, never swallowed.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
 import blake3
 
-from replay import wire
-from replay.tensorblob import Pieces, from_safetensors
-from replay.wire import WireError, pack, unpack
+from policy.adapter import Adapter
+from weights import wire
+from weights.format import Pieces, from_safetensors, write_safetensors
+from weights.wire import OLD_TYPES, ChunkHeader, Commit, Malformed, ShmNote, WireError
 
 CHUNK_BYTES = 16 << 20
 """Data bytes per chunk (16 MiB): well under the frame cap, small enough to pipeline."""
-CHUNK, COMMIT, SHM = "adapter_chunk.v3", "adapter_commit.v3", "adapter_shm.v3"
-"""Message types of format 3 (SHM: a version in shared memory, replay/shm_weights.py); older
-formats' are refused by name (_OLD)."""
-_OLD = {"adapter_chunk": 1, "adapter_head": 1, "adapter_chunk.v2": 2, "adapter_commit.v2": 2}
-_DIGEST = 32
+WIRE_DTYPES = (None, "bfloat16", "float16", "float32")
+"""Choices for the publisher's `dtype` (None: as given)."""
 _KEY_CONTEXT = "tandem adapter chunk v1"
 
 
@@ -98,6 +70,62 @@ def _digest(macs: list[bytes], key: bytes | None) -> bytes:
     return _mac(b"".join(macs), key)
 
 
+def layout(adapter: Adapter, dtype: str | None, chunk_bytes: int | None, max_chunks: int | None):
+    """(the adapter's safetensors pieces, the chunk size): floating tensors cast to `dtype` (one of
+    WIRE_DTYPES), chunks of `chunk_bytes`, made larger (up to the frame cap) where the adapter
+    would need more than `max_chunks`. ValueError for an adapter without tensors, or one that does
+    not fit `max_chunks` frames."""
+    import torch
+
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"wire dtype {dtype!r}: choose one of {WIRE_DTYPES}")
+    if not adapter.tensors:
+        raise ValueError(f"adapter version {adapter.version} has no tensors: nothing to publish "
+                         "(does the LoRA config target any module of the model?)")
+    blob = write_safetensors(adapter.tensors, getattr(torch, dtype) if dtype else None)
+    chunk = chunk_bytes or min(CHUNK_BYTES, wire.MAX_FRAME)
+    if max_chunks:
+        chunk = min(wire.MAX_FRAME, max(chunk, -(-blob.size // max_chunks)))
+        if -(-blob.size // chunk) > max_chunks:
+            raise ValueError(f"adapter version {adapter.version} ({blob.size} bytes) needs more than {max_chunks} "
+                             f"chunks of the {wire.MAX_FRAME}-byte frame cap: raise the publisher's hwm")
+    return blob, chunk
+
+
+def encode_adapter(adapter: Adapter, key: bytes | None = None, *, dtype: str | None = None,
+                   chunk_bytes: int | None = None, max_chunks: int | None = None) -> list[list]:
+    """The messages that carry `adapter`: its chunks ([signed header, data...]), then its commit
+    ([signed commit]); see `layout` for the arguments and the ValueErrors. Tensors already in the
+    wire dtype, contiguous and on the CPU are sent from their own memory."""
+    blob, chunk = layout(adapter, dtype, chunk_bytes, max_chunks)
+    return list(stream_messages(blob, adapter.version, adapter.base_model, adapter.config, key, chunk))
+
+
+def decode_adapter(messages: list[list], key: bytes | None = None) -> Adapter:
+    """The adapter carried by `messages` (from `encode_adapter`, in order: chunks, then the commit).
+    WireError if they are not signed, schema-conforming chunks; BrokenAdapter (a WireError) if they
+    are our publisher's but do not make a whole adapter."""
+    asm, done = None, None
+    for parts in messages:
+        if len(parts) == 1:
+            done = read_commit(parts[0], key)
+            continue
+        head, data = read_chunk(parts, key)
+        if asm is None:
+            asm = Assembly(head, key)
+        elif head.version != asm.version:
+            raise BrokenAdapter(asm.version, f"versions {asm.version} and {head.version} mixed in one adapter")
+        asm.add(head, data)
+    if asm is None:
+        raise WireError("no adapter chunks")
+    if done is not None:
+        if done.version != asm.version:
+            raise BrokenAdapter(asm.version, f"a commit of version {done.version} came with its chunks")
+        asm.seal(done)
+    base_model, config, tensors = asm.finish()
+    return Adapter(asm.version, base_model, config, tensors)
+
+
 def stream_messages(blob, version: int, base_model: str, config: dict, key: bytes | None,
                     chunk_bytes: int = CHUNK_BYTES) -> Iterator[list]:
     """The messages that carry `blob` (a buffer, or `write_safetensors`' pieces), made as they are
@@ -109,10 +137,10 @@ def stream_messages(blob, version: int, base_model: str, config: dict, key: byte
     for i in range(count):
         views = blob.views(i * chunk_bytes, min((i + 1) * chunk_bytes, blob.size))
         macs.append(_mac(views, key))
-        yield [pack(CHUNK, key=key, version=version, index=i, count=count, total=blob.size, mac=macs[-1],
-                    frames=len(views), **({"base_model": base_model, "config": config} if i == 0 else {})),
-               *views]
-    yield [commit(Commit(version, count, blob.size, _digest(macs, key)), key)]
+        head = ChunkHeader(version=version, index=i, count=count, total=blob.size, frames=len(views), mac=macs[-1],
+                           **({"base_model": base_model, "config": config} if i == 0 else {}))
+        yield [wire.encode(head, key), *views]
+    yield [wire.encode(Commit(version=version, count=count, total=blob.size, digest=_digest(macs, key)), key)]
 
 
 def chunk_messages(blob, version: int, base_model: str, config: dict, key: bytes | None,
@@ -126,132 +154,66 @@ def split_messages(parts: list, key: bytes | None) -> list[list]:
     back into messages by each chunk header's frame count. WireError if a header is not ours."""
     messages, i = [], 0
     while i < len(parts) - 1:
-        version, msg = _read(parts[i], CHUNK, key)
-        frames = msg.get("frames")
-        if type(frames) is not int or not 1 <= frames <= len(parts) - 2 - i:
-            raise BrokenAdapter(version, f"a chunk header claims {frames!r} data frames, the reply holds "
-                                         f"{len(parts) - 2 - i} after it")
+        head = _read(parts[i], (ChunkHeader,), key)
+        frames = head.frames
+        if frames > len(parts) - 2 - i:
+            raise BrokenAdapter(head.version, f"a chunk header claims {frames} data frames, the reply holds "
+                                              f"{len(parts) - 2 - i} after it")
         messages.append(parts[i:i + 1 + frames])
         i += 1 + frames
     return messages + [parts[-1:]]
-
-
-@dataclass
-class ChunkHead:
-    """The checked header of one chunk."""
-
-    version: int
-    index: int
-    count: int
-    total: int
-    mac: bytes
-    base_model: str | None = None
-    config: dict | None = None
-
-
-@dataclass
-class Commit:
-    """The checked commit of one version: what its chunks must add up to."""
-
-    version: int
-    count: int
-    total: int
-    digest: bytes
 
 
 def _buffer(part) -> memoryview:
     return part.buffer if hasattr(part, "buffer") else memoryview(part)  # a zmq.Frame, or bytes
 
 
-def _read(frame, msg_type: str | tuple[str, ...], key: bytes | None) -> tuple[int, dict]:
-    """(version, fields) of a signed frame of `msg_type` (or one of several). WireError for a
-    stranger's or garbage; BrokenAdapter for a signed frame of an older format."""
-    types = (msg_type,) if isinstance(msg_type, str) else msg_type
-    msg = unpack(_buffer(frame).tobytes(), (*types, *_OLD), key=key)
-    version = msg.get("version")
-    if type(version) is not int or version < 0:
-        raise WireError(f"{msg_type}: no valid version")
-    if msg["type"] in _OLD:
-        raise BrokenAdapter(version, f"it came in format {_OLD[msg['type']]} ({msg['type']!r}), and this "
-                                     f"subscriber reads format 3 ({types[0]!r}): the learner runs an older Tandem")
-    return version, msg
-
-
-def commit(done: Commit, key: bytes | None) -> bytes:
-    """The one-frame message that commits `done.version` (after all its chunks, and as the
-    periodic announcement of the newest version)."""
-    return pack(COMMIT, key=key, version=done.version, count=done.count, total=done.total, digest=done.digest)
-
-
-@dataclass
-class ShmNote:
-    """The announcement of a version written to a shared-memory file on the publisher's host."""
-
-    version: int
-    name: str
-    size: int
-    host: str
-    base_model: str
-    config: dict
-
-
-def shm_note(note: ShmNote, key: bytes | None) -> bytes:
-    """The one-frame message that announces `note` (before the version's chunks)."""
-    return pack(SHM, key=key, version=note.version, name=note.name, size=note.size, host=note.host,
-                base_model=note.base_model, config=note.config)
+def _read(frame, types: tuple[type, ...], key: bytes | None):
+    """The message of one of `types` in a signed frame. WireError for a stranger's or garbage;
+    BrokenAdapter for a signed frame of ours that breaks its schema, or of an older format."""
+    try:
+        return wire.decode(frame, key, types)
+    except Malformed as exc:
+        if exc.version is None:
+            raise WireError(f"{exc.msg_type}: no valid version ({exc.reason})") from None
+        if exc.msg_type in OLD_TYPES:
+            raise BrokenAdapter(exc.version, f"it came in format {OLD_TYPES[exc.msg_type]} ({exc.msg_type!r}), and "
+                                             f"this subscriber reads format 3 ({types[0].__struct_config__.tag!r}): "
+                                             "the learner runs an older Tandem") from None
+        raise BrokenAdapter(exc.version, f"its {exc.msg_type} breaks the schema ({exc.reason})") from None
 
 
 def read_news(frame, key: bytes | None) -> Commit | ShmNote:
     """The commit or shared-memory announcement a frame holds; WireError if it is neither (a
     stranger's or garbage), BrokenAdapter if it is ours but malformed."""
-    version, msg = _read(frame, (COMMIT, SHM), key)
-    if msg["type"] == COMMIT:
-        return _commit(version, msg)
-    fields = [msg.get(k) for k in ("name", "size", "host", "base_model", "config")]
-    if not (isinstance(fields[0], str) and type(fields[1]) is int and isinstance(fields[2], str)
-            and isinstance(fields[3], str) and isinstance(fields[4], dict)):
-        raise BrokenAdapter(version, "its shared-memory announcement's fields have the wrong type")
-    return ShmNote(version, *fields)
+    return _read(frame, (Commit, ShmNote), key)
 
 
 def read_commit(frame, key: bytes | None) -> Commit:
     """The commit a frame holds; WireError if it is not a signed, well-formed one."""
-    return _commit(*_read(frame, COMMIT, key))
+    return _read(frame, (Commit,), key)
 
 
-def _commit(version: int, msg: dict) -> Commit:
-    count, total, digest = msg.get("count"), msg.get("total"), msg.get("digest")
-    if type(count) is not int or type(total) is not int or count < 1 or total < 0 \
-            or not isinstance(digest, bytes) or len(digest) != _DIGEST:
-        raise BrokenAdapter(version, "its commit's count, total or digest is wrong or of the wrong type")
-    return Commit(version, count, total, digest)
-
-
-def read_chunk(parts: list, key: bytes | None) -> tuple[ChunkHead, list[memoryview]]:
+def read_chunk(parts: list, key: bytes | None) -> tuple[ChunkHeader, list[memoryview]]:
     """(header, data frames) of one chunk message. WireError if it is not a signed,
     schema-conforming chunk (a stranger's, or garbage); BrokenAdapter if it is, but its fields
-    are wrong."""
+    do not agree."""
     if len(parts) < 2:
         raise WireError(f"adapter chunk: expected a header and data frames, got {len(parts)} frame(s)")
-    version, msg = _read(parts[0], CHUNK, key)
-    fields = [msg.get(k) for k in ("index", "count", "total", "frames", "mac")]
-    index, count, total, frames, mac = fields
-    if not all(type(x) is int for x in fields[:4]) or not isinstance(mac, bytes) or len(mac) != _DIGEST:
-        raise BrokenAdapter(version, "a chunk header's index, count, total, frames or MAC have the wrong type")
-    if not 0 <= index < count or total < 0:
-        raise BrokenAdapter(version, f"chunk header out of range (index {index}, count {count}, total {total})")
-    if frames != len(parts) - 1:
-        raise BrokenAdapter(version, f"chunk {index} came with {len(parts) - 1} data frames, its header says {frames}")
+    head = _read(parts[0], (ChunkHeader,), key)
+    version, index = head.version, head.index
+    if not index < head.count:
+        raise BrokenAdapter(version, f"chunk header out of range (index {index}, count {head.count})")
+    if head.frames != len(parts) - 1:
+        raise BrokenAdapter(version, f"chunk {index} came with {len(parts) - 1} data frames, its header says "
+                                     f"{head.frames}")
     data = [_buffer(part) for part in parts[1:]]
     size = sum(len(d) for d in data)
     if size > wire.MAX_FRAME:
         raise BrokenAdapter(version, f"chunk {index} holds {size} bytes, over the {wire.MAX_FRAME}-byte "
                                      "frame cap: the publisher's chunk size must be below it")
-    head = ChunkHead(version, index, count, total, mac)
-    if index == 0:
-        head.base_model, head.config = msg.get("base_model"), msg.get("config")
-        if not isinstance(head.base_model, str) or not isinstance(head.config, dict):
-            raise BrokenAdapter(version, "chunk 0 lacks the base model id (a string) or the adapter config (a map)")
+    if index == 0 and (head.base_model is None or head.config is None):
+        raise BrokenAdapter(version, "chunk 0 lacks the base model id (a string) or the adapter config (a map)")
     return head, data
 
 
@@ -281,11 +243,11 @@ class Assembly:
 
     Every method raises BrokenAdapter when the chunks cannot become that version's adapter."""
 
-    def __init__(self, head: ChunkHead, key: bytes | None) -> None:
+    def __init__(self, head: ChunkHeader, key: bytes | None) -> None:
         self.version, self.count, self.total, self.key = head.version, head.count, head.total, key
         self.data: dict[int, list[memoryview]] = {}
         self.macs: dict[int, bytes] = {}
-        self.first: ChunkHead | None = None
+        self.first: ChunkHeader | None = None
         self.commit: Commit | None = None
         self._unchecked: list[int] = []
         self.updated = time.monotonic()
@@ -300,7 +262,7 @@ class Assembly:
             raise BrokenAdapter(self.version, "chunks of two different adapters claim this version (their count "
                                               "or length differ): is more than one learner publishing?")
 
-    def add(self, head: ChunkHead, data: list[memoryview]) -> None:
+    def add(self, head: ChunkHeader, data: list[memoryview]) -> None:
         """Add a chunk of this version. Chunks come in order on one connection, so a gap means the
         ones between were dropped (a subscriber past its high-water mark, a reconnect, a late join)."""
         assert head.version == self.version

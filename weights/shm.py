@@ -14,7 +14,7 @@ Trust is that of the replay's arenas (replay/arena.py): the announcement is sign
 key; the file is created exclusively (O_EXCL, mode 0600) by the publisher, opened without
 following links, and must be a regular file of our own user of exactly the announced size; its
 bytes are then checked as safetensors. There is no network between the two ends, so the data
-is not hashed again (across machines every chunk is: replay/chunks.py).
+is not hashed again (across machines every chunk is: weights/chunks.py).
 
 Files are named `tandem-weights-<pid>-<token>`. The publisher keeps the newest `keep` versions'
 files and removes older ones (a subscriber that mapped one keeps its pages until it drops the
@@ -33,12 +33,38 @@ import secrets
 import stat
 from pathlib import Path
 
-from replay.arena import ARENA_DIR, host_id, sweep
-from replay.tensorblob import from_safetensors
+from weights.format import from_safetensors
 
 log = logging.getLogger("tandem.weights")
 
+SHM_DIR = "/dev/shm"
 NAME = re.compile(r"^tandem-weights-(\d{1,10})-[0-9a-f]{16}$")
+
+
+def host_id() -> str | None:
+    """This machine's boot id (same host, same boot), or None where there is none (as
+    replay/arena.py's: the weight channel keeps its own copy so as to import no other part)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def sweep(directory: Path, name: re.Pattern = NAME) -> None:
+    """Remove weight files left by processes of ours that died without removing them (as
+    replay/arena.py's `sweep` does for arenas)."""
+    for path in directory.glob("tandem-weights-*"):
+        match = name.match(path.name)
+        if match is None:
+            continue
+        try:
+            if path.lstat().st_uid != os.geteuid():
+                continue
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except OSError:
+            continue
 
 
 class ShmWriter:
@@ -51,7 +77,7 @@ class ShmWriter:
         shm.close()                 # removes the files still kept
     """
 
-    def __init__(self, directory: str = ARENA_DIR, keep: int = 2, host: str | None = None) -> None:
+    def __init__(self, directory: str = SHM_DIR, keep: int = 2, host: str | None = None) -> None:
         self.dir, self.keep = Path(directory), keep
         self.host = host or host_id()
         """Which host this is, as announced: `host` (the launcher gives its Ray node: two Ray nodes
@@ -96,7 +122,7 @@ class ShmWriter:
         self.files = []
 
 
-def read_shm(name: str, size: int, directory: str = ARENA_DIR) -> dict:
+def read_shm(name: str, size: int, directory: str = SHM_DIR) -> dict:
     """The tensors of the adapter file `name` (announced with `size` bytes), as views of a private
     mapping of it (reading maps the file's pages; nothing is copied until written). OSError if it
     cannot be opened (another host or container, or already removed); ValueError if it is not

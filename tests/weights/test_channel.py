@@ -1,23 +1,33 @@
 """The weight channel over real ZeroMQ sockets: chunked adapters of any size, the wire dtype,
 the newest version winning, and what happens to broken adapters and strangers' frames. Publishers
-here run with `shm=False` where the socket path is under test (subscribers on other hosts);
-tests/replay/test_shm_weights.py has the same-host path."""
+here run with `transport="socket"` where the socket path is under test (subscribers on other hosts);
+tests/weights/test_shm.py has the same-host path."""
 
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 import zmq
 
-from replay import wire
-from replay.chunks import CHUNK, BrokenAdapter, chunk_messages
-from replay.tensorblob import from_safetensors, to_safetensors
-from replay.weights import (DATA, NEWS, Adapter, AdapterUndeliverable, WeightPublisher, WeightSubscriber,
-                            decode_adapter, encode_adapter)
+from policy.adapter import Adapter
+from weights import wire
+from weights.chunks import BrokenAdapter, chunk_messages, decode_adapter, encode_adapter
+from weights.format import from_safetensors, to_safetensors
+from weights.publisher import WeightPublisher
+from weights.subscriber import AdapterUndeliverable, WeightSubscriber
+from weights.transports import DATA, NEWS
 
 KEY = bytes(range(32))
+
+
+def pack(msg_type: str, *, key: bytes | None = None, **fields) -> bytes:
+    """A signed frame of any type and fields, not checked against the schema (as a stranger or
+    an older Tandem would send it)."""
+    return wire.sign(key, msgspec.msgpack.encode({"v": wire.SCHEMA, "type": msg_type, **fields}))
+
 TINY = {"x.lora_A.weight": torch.zeros(1, 2)}
 
 
@@ -105,7 +115,7 @@ def flat(messages) -> list:
 def test_adapter_over_the_frame_cap_reaches_every_subscriber_and_latest(monkeypatch, closing):
     monkeypatch.setattr(wire, "MAX_FRAME", 1 << 20)  # a 1 MiB cap keeps the test light
     tensors = lora(5 << 20)
-    publisher = WeightPublisher(key=KEY, chunk_bytes=300_000, shm=False)
+    publisher = WeightPublisher(key=KEY, chunk_bytes=300_000, transport="socket")
     closing(publisher)
     subs = [WeightSubscriber(publisher.endpoints, key=KEY) for _ in range(2)]
     for s in subs:
@@ -128,7 +138,7 @@ def test_adapter_over_the_frame_cap_reaches_every_subscriber_and_latest(monkeypa
 
 
 def test_a_subscriber_that_joins_later_learns_of_the_adapter_from_the_announcements(closing):
-    publisher = WeightPublisher(key=KEY, announce_s=0.1, shm=False)
+    publisher = WeightPublisher(key=KEY, announce_s=0.1, transport="socket")
     closing(publisher)
     tensors = lora(100_000)
     publisher.publish(Adapter(4, "base", {}, tensors))
@@ -141,7 +151,7 @@ def test_a_subscriber_that_joins_later_learns_of_the_adapter_from_the_announceme
 
 def test_a_real_adapter_over_64_mib(closing):
     tensors = lora(70 << 20)  # ~70 MiB of fp32, over the real frame cap
-    publisher = WeightPublisher(key=KEY, shm=False)  # the socket, as to actors on other hosts
+    publisher = WeightPublisher(key=KEY, transport="socket")  # the socket, as to actors on other hosts
     closing(publisher)
     subs = [WeightSubscriber(publisher.endpoints, key=KEY) for _ in range(2)]
     for s in subs:
@@ -162,7 +172,7 @@ def test_a_real_adapter_over_64_mib(closing):
 def test_bf16_on_the_wire(closing):
     tensors = {"a.lora_A.weight": torch.randn(7, 33), "a.lora_B.weight": torch.randn(33, 7) * 1e3,
                "steps": torch.arange(5)}  # not floating: travels as it is
-    publisher = WeightPublisher(key=KEY, dtype="bfloat16", shm=False)
+    publisher = WeightPublisher(key=KEY, dtype="bfloat16", transport="socket")
     sub = WeightSubscriber(publisher.endpoints, key=KEY)
     closing(publisher), closing(sub)
     sync(publisher.publish, [sub])
@@ -187,7 +197,7 @@ def test_tensors_travel_from_their_own_memory_and_arrive_as_views():
     messages = encode_adapter(Adapter(2, "base", {}, tensors), KEY, dtype="bfloat16", chunk_bytes=1 << 20)
     frames = {_address(part) for parts in messages[:-1] for part in parts[1:]}
     assert all(t.data_ptr() in frames for t in tensors.values())
-    assert all(len(parts) - 1 == wire.unpack(parts[0], ("adapter_chunk.v3",), key=KEY)["frames"]
+    assert all(len(parts) - 1 == wire.decode(parts[0], KEY, (wire.ChunkHeader,)).frames
                for parts in messages[:-1])
     back = decode_adapter(messages, KEY)
     assert_same(back.tensors, tensors)
@@ -215,7 +225,7 @@ def test_a_chunk_without_the_frames_its_header_counts_is_broken():
 
 
 def test_versions_published_quickly_end_on_the_newest_and_never_go_back(closing):
-    publisher = WeightPublisher(key=KEY, chunk_bytes=64 << 10, hwm=8, shm=False)  # 4 chunks an adapter, a short queue
+    publisher = WeightPublisher(key=KEY, chunk_bytes=64 << 10, hwm=8, transport="socket")  # 4 chunks an adapter, a short queue
     sub = WeightSubscriber(publisher.endpoints, key=KEY, hwm=2, stall_s=1.0)
     closing(publisher), closing(sub)
     sync(publisher.publish, [sub])
@@ -305,9 +315,9 @@ def test_strangers_frames_are_rejected_and_counted(closing):
     good = encode_adapter(Adapter(1, "base", {}, TINY), KEY)
     strangers = [[b"garbage"], [b"garbage", b"more"], *encode_adapter(Adapter(1, "base", {}, TINY)),  # unsigned
                  *encode_adapter(Adapter(1, "base", {}, TINY), b"another key"),
-                 [wire.pack(CHUNK, key=KEY, version="one"), b""],  # no valid version
+                 [pack("adapter_chunk.v3", key=KEY, version="one"), b""],  # no valid version
                  [good[0][0][:-1] + bytes([good[0][0][-1] ^ 1]), good[0][1]],  # altered after signing
-                 [wire.pack("push", key=KEY), b"x"]]
+                 [pack("push", key=KEY), b"x"]]
     before = sub.rejected
     fake.send(strangers)
     deadline = time.monotonic() + 20
@@ -320,7 +330,7 @@ def test_strangers_frames_are_rejected_and_counted(closing):
 
 
 def test_a_subscriber_with_the_wrong_key_rejects_everything(closing):
-    publisher = WeightPublisher(key=KEY, chunk_bytes=100_000, shm=False)
+    publisher = WeightPublisher(key=KEY, chunk_bytes=100_000, transport="socket")
     sub = WeightSubscriber(publisher.endpoints, key=b"not the run key")
     closing(publisher), closing(sub)
     deadline = time.monotonic() + 20
@@ -341,7 +351,7 @@ def test_an_empty_adapter_is_refused():
 
 
 def test_chunks_grow_so_that_two_adapters_fit_the_queue(closing):
-    publisher = WeightPublisher(key=KEY, chunk_bytes=10_000, hwm=6, shm=False)
+    publisher = WeightPublisher(key=KEY, chunk_bytes=10_000, hwm=6, transport="socket")
     sub = WeightSubscriber(publisher.endpoints, key=KEY)
     closing(publisher), closing(sub)
     messages = encode_adapter(Adapter(1, "b", {}, lora(100_000)), KEY, chunk_bytes=10_000, max_chunks=3)
@@ -377,9 +387,9 @@ def test_safetensors_bytes_are_what_the_library_reads_and_writes():
         from_safetensors([len(head).to_bytes(8, "little") + head + bytes(8)])
 
 
-OLD_FORMATS = {1: [wire.pack("adapter_chunk", key=KEY, version=2, index=0, count=1, total=3, digest=bytes(32),
+OLD_FORMATS = {1: [pack("adapter_chunk", key=KEY, version=2, index=0, count=1, total=3, digest=bytes(32),
                               sha=bytes(32), base_model="base", config={}), b"abc"],
-               2: [wire.pack("adapter_chunk.v2", key=KEY, version=2, index=0, count=1, total=3, mac=bytes(32),
+               2: [pack("adapter_chunk.v2", key=KEY, version=2, index=0, count=1, total=3, mac=bytes(32),
                               base_model="base", config={}), b"abc"]}
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from replay.arena import ARENA_DIR
-from replay.shm_weights import ShmWriter, read_shm
-from replay.weights import Adapter, WeightPublisher, WeightSubscriber
+from policy.adapter import Adapter
+from weights.publisher import WeightPublisher
+from weights.shm import SHM_DIR, ShmWriter, read_shm
+from weights.subscriber import WeightSubscriber
 
 KEY = bytes(range(32))
 
@@ -53,20 +54,20 @@ def test_subscribers_beside_the_publisher_read_adapters_from_shared_memory(closi
     for version in range(1, 5):
         tensors = lora(version)
         publisher.publish(Adapter(version, "base", {"r": 8}, tensors))
-        name = publisher._shm.files[-1].name
+        name = publisher.shm.files[-1].name
         for s in subs:
             adapter = s.wait(20)
             assert adapter is not None and (adapter.version, adapter.config) == (version, {"r": 8})
             assert_same(adapter.tensors, tensors)
             assert mapped(name)  # views of the file, not bytes from the socket
             assert s.rejected == 0
-    kept = [p.name for p in publisher._shm.files]
-    assert len(kept) == 2 and all((Path(ARENA_DIR) / n).exists() for n in kept)  # the newest two versions
+    kept = [p.name for p in publisher.shm.files]
+    assert len(kept) == 2 and all((Path(SHM_DIR) / n).exists() for n in kept)  # the newest two versions
     late = WeightSubscriber(publisher.endpoints, key=KEY)  # a restarted actor asks `latest`, as ever
     closing(late)
     assert_same(late.latest(timeout=20).tensors, tensors)
     publisher.close()
-    assert not any((Path(ARENA_DIR) / n).exists() for n in kept)
+    assert not any((Path(SHM_DIR) / n).exists() for n in kept)
 
 
 def test_a_subscriber_on_another_host_takes_the_chunks(closing):
@@ -91,13 +92,15 @@ def test_when_shared_memory_cannot_be_written_the_version_comes_over_the_socket(
     closing(publisher), closing(sub)
     connect(publisher, [sub])
     assert sub.local
-    publisher._shm.dir = tmp_path / "full"  # writing there fails, as into a /dev/shm without room
+    publisher.shm.dir = tmp_path / "full"  # writing there fails, as into a /dev/shm without room
     tensors = lora(2)
     with caplog.at_level(logging.WARNING, logger="tandem.weights"):
         publisher.publish(Adapter(2, "base", {}, tensors))
-    assert "over the socket from now on" in caplog.text and publisher._shm.off
-    adapter = sub.wait(20)  # no announcement, then the commit: the subscriber asks `latest`
+    assert "over the socket from now on" in caplog.text and publisher.shm.off
+    with caplog.at_level(logging.WARNING, logger="tandem.weights"):
+        adapter = sub.wait(20)  # no announcement, then the commit: the subscriber asks `latest`
     assert adapter is not None and adapter.version == 2
+    assert "version 2 is not in shared memory" in caplog.text  # and says so
     assert_same(adapter.tensors, tensors)
     publisher.publish(Adapter(3, "base", {}, lora(3)))
     assert sub.wait(20).version == 3
@@ -105,8 +108,8 @@ def test_when_shared_memory_cannot_be_written_the_version_comes_over_the_socket(
 
 def test_files_left_by_dead_publishers_are_swept_and_others_kept():
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = Path(ARENA_DIR) / f"tandem-weights-{int(dead.stdout)}-{'0' * 16}"
-    live = Path(ARENA_DIR) / f"tandem-weights-{os.getppid()}-{'1' * 16}"
+    stale = Path(SHM_DIR) / f"tandem-weights-{int(dead.stdout)}-{'0' * 16}"
+    live = Path(SHM_DIR) / f"tandem-weights-{os.getppid()}-{'1' * 16}"
     stale.write_bytes(b"x")
     live.write_bytes(b"x")
     try:
@@ -121,7 +124,7 @@ def test_files_left_by_dead_publishers_are_swept_and_others_kept():
 def test_a_file_that_is_not_the_announced_one_is_refused(tmp_path):
     writer = ShmWriter(str(tmp_path))
     try:
-        from replay.tensorblob import write_safetensors
+        from weights.format import write_safetensors
 
         name = writer.write(write_safetensors(lora(1)))
         size = (tmp_path / name).stat().st_size

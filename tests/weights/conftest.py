@@ -1,0 +1,12 @@
+"""Fixtures of the weight-channel tests."""
+
+import pytest
+
+
+@pytest.fixture
+def closing():
+    """Register things (sockets, publishers, subscribers) to close when the test ends, last first."""
+    things = []
+    yield things.append
+    for thing in reversed(things):
+        thing.close()
