@@ -32,9 +32,14 @@ import os
 import threading
 import time
 
-from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, LearnerConfig, lr_factor
-
-POLICY, CRITIC = "default", "critic"
+from learner.config import (
+    CRITIC,
+    DEFAULT_ALGO,
+    DEFAULT_CORRECTION,
+    POLICY,
+    LearnerConfig,
+    lr_factor,
+)
 """PEFT adapter names: the policy (published to actors) and PPO's critic (never published)."""
 
 
