@@ -31,7 +31,10 @@ class PlotArgs:
 
 
 def main(args: PlotArgs) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit("launch.plot needs matplotlib: pip install 'tandem[plot]'") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -10,6 +10,9 @@ from policy.load import LoraSpec
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
+# The adapters a learner trains: the policy's and, for PPO, the critic's.
+POLICY, CRITIC = "default", "critic"
+
 DEFAULT_ALGO = "grpo"
 DEFAULT_CORRECTION = "none"
 """The defaults of --algo and --correction, held here once: the root config (launch/config.py)

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 
 import torch
 
-from learner.trainer import CRITIC, POLICY
+from learner.config import CRITIC, POLICY
 from policy.load import LoraSpec
 
 DTYPES = ("auto", "float32", "bfloat16")

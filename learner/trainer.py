@@ -35,13 +35,11 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, LearnerConfig, lr_factor
+from learner.config import CRITIC, DEFAULT_ALGO, DEFAULT_CORRECTION, POLICY, LearnerConfig, lr_factor
 from policy.adapter import Adapter
 
 if TYPE_CHECKING:
     from weights.publisher import Publisher
-
-POLICY, CRITIC = "default", "critic"
 """PEFT adapter names: the policy (published to actors) and PPO's critic (never published)."""
 
 

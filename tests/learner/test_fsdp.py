@@ -70,7 +70,8 @@ def _ppo_rank(rank, model, endpoint, url, out):
     import torch
 
     from learner.config import LearnerConfig
-    from learner.trainer import CRITIC, Learner
+    from learner.config import CRITIC
+    from learner.trainer import Learner
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
