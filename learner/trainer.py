@@ -40,7 +40,6 @@ from policy.adapter import Adapter
 
 if TYPE_CHECKING:
     from weights.publisher import Publisher
-"""PEFT adapter names: the policy (published to actors) and PPO's critic (never published)."""
 
 
 class Learner:
