@@ -12,6 +12,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 
 # The adapters a learner trains: the policy's and, for PPO, the critic's.
 POLICY, CRITIC = "default", "critic"
+"""PEFT adapter names: the policy (published to actors) and PPO's critic (never published)."""
 
 DEFAULT_ALGO = "grpo"
 DEFAULT_CORRECTION = "none"
