@@ -8,12 +8,11 @@ the frame cap and decode with validation: any field outside its bounds is a
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated, Any, Union
 
 import msgspec
 
-from replay.wire import MAC_BYTES, MAX_FRAME, SCHEMA, Count, Name, WireError, parts_mac
+from replay.wire import SCHEMA, Count, Name, WireError, verified
 
 MAX_CREDITS = 4096
 """Most credits one request may ask for."""
@@ -143,13 +142,7 @@ def decode_request(parts: list, *, key: bytes | None = None) -> tuple[Request, l
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, what: str, parts: list, key: bytes | None) -> tuple:
-    if key is not None:
-        if len(parts) < 2 or len(parts[0]) != MAC_BYTES or not hmac.compare_digest(
-                bytes(parts[0]), parts_mac(key, parts[1:])):
-            raise WireError("message is unsigned or its HMAC does not match")
-        parts = parts[1:]
-    if not parts or any(len(p) > MAX_FRAME for p in parts):
-        raise WireError(f"empty message, or a frame over the {MAX_FRAME}-byte cap")
+    parts = verified(parts, key)
     try:
         req = decoder.decode(parts[0])
     except msgspec.MsgspecError as exc:

@@ -195,9 +195,9 @@ def pack_parts(msg_type: str, blobs: list = (), *, key: bytes | None = None, **f
     return parts if key is None else [parts_mac(key, parts), *parts]
 
 
-def unpack_parts(parts: list, types: tuple[str, ...] | None = None, *,
-                 key: bytes | None = None) -> tuple[dict[str, Any], list]:
-    """Check and decode a multipart message: (header map, blob frames)."""
+def verified(parts: list, key: bytes | None) -> list:
+    """A multipart message's frames without its signature, once the HMAC (with a key) and the
+    frame cap are checked; WireError otherwise."""
     if key is not None:
         if len(parts) < 2 or len(parts[0]) != MAC_BYTES or not hmac.compare_digest(
                 bytes(parts[0]), parts_mac(key, parts[1:])):
@@ -205,6 +205,13 @@ def unpack_parts(parts: list, types: tuple[str, ...] | None = None, *,
         parts = parts[1:]
     if not parts or any(len(p) > MAX_FRAME for p in parts):
         raise WireError(f"empty message, or a frame over the {MAX_FRAME}-byte cap")
+    return parts
+
+
+def unpack_parts(parts: list, types: tuple[str, ...] | None = None, *,
+                 key: bytes | None = None) -> tuple[dict[str, Any], list]:
+    """Check and decode a multipart message: (header map, blob frames)."""
+    parts = verified(parts, key)
     obj = _loads(parts[0])
     if not isinstance(obj, dict) or obj.get("v") != SCHEMA or not isinstance(obj.get("type"), str):
         raise WireError(f"not a schema-{SCHEMA} Tandem message")
