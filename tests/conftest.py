@@ -10,6 +10,15 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # a crash in any process a tes
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def closing():
+    """Register things (sockets, publishers, subscribers) to close when the test ends, last first."""
+    things = []
+    yield things.append
+    for thing in reversed(things):
+        thing.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A freshly initialised built-in tiny policy in Hugging Face format."""
