@@ -65,10 +65,10 @@ class ActorConfig:
     gpus: float = 0.0
     """GPUs each actor process asks Ray for (0 = the CPU); a fraction shares one GPU between
     actors (0.5: two actors a GPU). Each actor sees only the GPU Ray gave it, as cuda:0."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the engine: "auto" (cuda when --actor.gpus is above 0, else cpu), "cpu", or
     "cuda" (with --actor.gpus 0 that asks for one GPU per actor)."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and compute dtype of the engine: "float32", "bfloat16", "float16" or "auto"
     (bfloat16 for vLLM on a GPU, whose LoRA kernels take only 16-bit types; float32 otherwise)."""
     threads: int = 1
@@ -136,8 +136,6 @@ class ActorConfig:
     def __post_init__(self) -> None:
         if self.restarts < 0:
             raise ValueError(f"--actor.restarts must be 0 or more, got {self.restarts}")
-        if self.device not in ("cpu", "cuda", "auto"):
-            raise ValueError(f"--actor.device must be cpu, cuda or auto, got {self.device!r}")
         if not 0 <= self.gpus <= 1:
             raise ValueError(f"--actor.gpus is the GPUs of one actor, in [0, 1] (an engine runs on one GPU; a "
                              f"fraction shares it), got {self.gpus:g}")
@@ -148,8 +146,6 @@ class ActorConfig:
             raise ValueError(f"--actor.memory-fraction {self.memory_fraction:g} with --actor.gpus {self.gpus:g}: "
                              "each vLLM engine sharing the GPU would take that fraction of all its memory; set "
                              f"--actor.memory-fraction to {self.gpus:g} or less")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"--actor.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"--actor.memory-fraction must be in (0, 1], got {self.memory_fraction}")
         if self.kv_cache_gb < 0 or self.max_lora_rank < 0 or self.max_loras < 1:

@@ -1,37 +1,12 @@
-"""Inference engines: token ids in, sampled token ids and their log-probs out.
+"""What an inference engine is: token ids in, sampled token ids and their log-probs out.
 
-An engine is chosen by `--actor.engine` through `make_engine`. The torch engine
-runs a transformers model with a PEFT adapter on CPU or CUDA and generates a
-batch of turns per call (`Engine`); the vLLM engine (an optional extra, GPU or
-vLLM's CPU build; actors/vllm_engine.py) takes one request per episode turn and
-answers each as soon as it is done (`RequestEngine`), and is imported only
-when asked for.
-
-Design of the torch engine's cache: many episodes decode together in one batch
-KV cache laid out on a shared time axis. Each row appends its own new tokens at
-the shared next slots; a row with fewer new tokens leaves masked holes, and
-position ids carry each row's true positions, so no left padding is needed and
-a row's tokens are exactly the tokens it was given. Rows are selected by
-session id, so multi-turn episodes reuse their KV cache across turns; a prompt
-that does not extend its row rebuilds the cache from the token lists. When
-holes pile up, the cache is compacted by gathering each row's real slots to the
-front: keys carry their rotary positions, and attention does not depend on where
-in the cache a key sits, so this is exact and costs no forward pass.
-
-A new adapter either keeps the cache (the default, PipelineRL's in-flight
-update: running episodes continue on keys and values computed by the previous
-adapter, and every token sampled afterwards records the new version and the
-log-prob it was actually sampled with, so the behaviour log-probs stay exact) or,
-with `recompute_kv`, drops it so that the next turn re-prefills every live
-episode under the new weights (exact π_new prefixes, at the price of one prefill
-of every live context per update).
-
-With `merge_lora` (the default) the adapter is folded into the weights it
-adapts, W = W₀ + (α/r)·B·A, recomputed from a kept copy of W₀ at every update
-(never by subtracting the previous delta, so no rounding accumulates), and the
-forward pass runs no LoRA branch: a decoding step of a small model is mostly
-per-operation overhead, and the branch triples the operations of every linear
-layer. The copy of W₀ costs the memory of the adapted weights once more.
+Two shapes of engine serve actors. A batch engine (`Engine`; the torch engine,
+actors/torch_engine.py) generates a batch of turns per call; a request engine
+(`RequestEngine`; the vLLM engine, an optional extra for GPUs or vLLM's CPU
+build, actors/vllm_engine.py) takes one request per episode turn and answers
+each as soon as it is done. `actors.engines.make_engine` builds the one that
+`--actor.engine` names. This module holds what every engine shares: the
+interfaces, the sampling parameters, a completion, and the seeding below.
 
 Sampling is reproducible per request, not per batch. Which episodes share a
 batch, and in which order, depends on timing (an episode whose environment call
@@ -47,7 +22,6 @@ engine's generator, shared by the batch.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -104,7 +78,7 @@ class Engine(Protocol):
 
     Usage::
 
-        engine = make_engine("torch", model_path, lora, device="cpu")
+        engine = make_engine("torch", model_path, lora, device="cpu")   # actors.engines
         outs = engine.generate(prompts, SamplingParams(8, stop_ids), sessions=ids, seeds=seeds)
         engine.load_adapter(version, tensors)   # between turns, when a new one arrives
     """
@@ -173,236 +147,3 @@ class RequestEngine(Protocol):
     def close(self) -> None:
         """Abort what is running and release the engine's memory and processes."""
         ...
-
-
-def make_engine(kind: str, model_path: str, lora, device: str = "cpu", seed: int = 0,
-                **options) -> Engine | RequestEngine:
-    """The engine `kind` ("torch" or "vllm"); `options` are that engine's own keyword arguments
-    (`ActorConfig.engine_options()` gives them from the config)."""
-    if kind == "torch":
-        return TorchEngine(model_path, lora, device=device, seed=seed, **options)
-    if kind == "vllm":
-        from actors.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, lora, device=device, seed=seed, **options)
-    raise ValueError(f"unknown engine {kind!r}; choose 'torch' or 'vllm'")
-
-
-class TorchEngine:
-    def __init__(self, model_path: str, lora, device: str = "cpu", seed: int = 0,
-                 dtype: str = "float32", recompute_kv: bool = False, merge_lora: bool = True, model=None) -> None:
-        """`model`: a PEFT model to generate with instead of loading `model_path` (colocated mode:
-        a learner rank's own, its policy adapter as trained; nothing is loaded, merged or copied)."""
-        import torch
-        from peft.tuners.lora import LoraLayer
-
-        from policy.load import load_model, with_lora
-
-        self.torch = torch
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if model is not None:
-            merge_lora = False  # the weights are the trainer's: never folded into
-        self.model = model if model is not None else with_lora(load_model(model_path, dtype=dtype, device=device),
-                                                               lora).eval()
-        # transformers ≥ 5.20 names the KV cache argument `cache`, earlier versions (vLLM's CPU build
-        # pins one) `past_key_values`: a misnamed one would be swallowed and decoding would run
-        # without context (tests/actors/test_engine.py pins this).
-        forward = inspect.signature(self.model.get_base_model().forward).parameters
-        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
-        self.pad_id = self.model.config.pad_token_id or 0
-        self.seed = seed
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for unseeded requests
-        self.version = 0
-        self.recompute_kv = recompute_kv
-        # (LoRA layer, its base weight W₀) for every adapted layer, when merging
-        self._merged = [(m, m.base_layer.weight.detach().clone()) for m in self.model.modules()
-                        if isinstance(m, LoraLayer)] if merge_lora else []
-        self._merge()
-        self.reset_cache()
-
-    # -- adapters ---------------------------------------------------------
-    def load_adapter(self, version: int, tensors: dict) -> None:
-        from peft import set_peft_model_state_dict
-
-        result = set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in tensors.items()})
-        unexpected = list(result.unexpected_keys)
-        if unexpected:
-            raise ValueError(f"adapter v{version} has tensors this model lacks: {unexpected[:3]}")
-        self._merge()
-        self.version = version
-        if self.recompute_kv:
-            self.reset_cache()  # the next turn re-prefills every live episode under the new weights
-
-    def _merge(self) -> None:
-        """W = W₀ + ΔW for every adapted layer; their forward then skips the LoRA branch."""
-        with self.torch.no_grad():
-            for layer, base in self._merged:
-                layer.base_layer.weight.copy_(base + layer.get_delta_weight("default").to(base.dtype))
-                layer.merged_adapters = ["default"]  # PEFT's forward: base layer only
-
-    # -- generation -------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 sessions: list[Hashable] | None = None,
-                 seeds: list[int | None] | None = None) -> list[Completion]:
-        torch = self.torch
-        if not prompts:
-            return []
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"generate: one seed per prompt, got {len(seeds)} for {len(prompts)}")
-        # Each seeded row's own key: its t-th token is sampled at unit_uniform(key + t).
-        keys = [None if s is None else stream_seed(self.seed, s) for s in (seeds or [None] * len(prompts))]
-        with torch.inference_mode():
-            new = self._select(prompts, sessions)
-            logits = self._forward(new)
-            n = len(prompts)
-            outs = [Completion([], [], False) for _ in range(n)]
-            done = [False] * n
-            for t in range(params.max_new_tokens):
-                tokens, logps = self._sample(logits, params.temperature, keys, t)
-                step: list[list[int]] = []
-                for i in range(n):
-                    if done[i]:
-                        step.append([])
-                        continue
-                    outs[i].tokens.append(tokens[i])
-                    outs[i].logprobs.append(logps[i])
-                    if tokens[i] in params.stop_ids:
-                        done[i] = outs[i].stopped = True
-                    step.append([] if done[i] else [tokens[i]])
-                if all(done) or t == params.max_new_tokens - 1:
-                    break
-                logits = self._forward(step)
-            return outs
-
-    def _sample(self, logits, temperature: float, keys: list[int | None], t: int) -> tuple[list[int], list[float]]:
-        """The t-th token of every row: greedy, or by inverse CDF at one uniform per row, hashed
-        from the row's key (seeded rows) or drawn from the engine's generator (the others)."""
-        torch = self.torch
-        logits = logits.float()
-        if temperature <= 0:
-            tokens = logits.argmax(-1)
-            logp = torch.log_softmax(logits, -1)
-        else:
-            logp = torch.log_softmax(logits / temperature, -1)
-            u = self._uniforms(keys, t)  # [B]
-            cdf = logp.double().exp().cumsum(-1)  # [B, V]; float64, so rare tokens keep their share
-            # right=True: the token whose interval [cdf[i-1], cdf[i]) holds u·total, so a token of
-            # probability 0 (an empty interval) is never chosen
-            tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-            tokens = tokens.clamp_(max=logits.shape[-1] - 1)
-        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
-        return tokens.tolist(), chosen.tolist()
-
-    def _uniforms(self, keys: list[int | None], t: int):
-        """One number in [0, 1) per row for its t-th token, float64 on the engine's device."""
-        torch = self.torch
-        if all(k is None for k in keys):
-            return torch.rand(len(keys), generator=self.generator, dtype=torch.float64, device=self.device)
-        u = [0.0 if k is None else unit_uniform(k + t) for k in keys]
-        if any(k is None for k in keys):
-            shared = torch.rand(len(keys), generator=self.generator, dtype=torch.float64, device=self.device)
-            u = [s if k is None else x for k, x, s in zip(keys, u, shared.tolist())]
-        return torch.tensor(u, dtype=torch.float64, device=self.device)
-
-    # -- the batch KV cache -----------------------------------------------
-    def reset_cache(self) -> None:
-        """Forget every session's keys and values (the next turn of each prefills it again)."""
-        self._cache = None
-        self._rows: list[list[int]] = []       # tokens fed into the cache, per row
-        self._sessions: list[Hashable] = []
-        self._mask = None                      # [B, T] 1 where a slot holds a real token
-
-    def _select(self, prompts: list[list[int]], sessions) -> list[list[int]]:
-        """Point the cache at `sessions` (in order) and return each row's tokens still to feed."""
-        torch = self.torch
-        if sessions is None or self._cache is None or len(set(sessions)) != len(sessions):
-            return self._rebuild(prompts, sessions)
-        index = {s: i for i, s in enumerate(self._sessions)}
-        for s, p in zip(sessions, prompts):
-            have = self._rows[index[s]] if s in index else []
-            if len(p) <= len(have) or p[: len(have)] != have:
-                return self._rebuild(prompts, sessions)
-        # New sessions join as empty rows (continuous batching): they attend to nothing
-        # until their own tokens arrive, so the other rows' cache is kept.
-        fresh = [s for s in sessions if s not in index]
-        if fresh:
-            self._add_rows(len(fresh))
-            for s in fresh:
-                index[s] = len(self._sessions)
-                self._sessions.append(s)
-                self._rows.append([])
-        rows = [index[s] for s in sessions]
-        if rows != list(range(len(self._sessions))):
-            idx = torch.tensor(rows, device=self.device)
-            self._cache.batch_select_indices(idx)
-            self._mask = self._mask[idx]
-            self._rows = [self._rows[r] for r in rows]
-        self._sessions = list(sessions)
-        longest = max(len(r) for r in self._rows)
-        if self._mask.shape[1] > longest + max(64, longest // 2):  # holes: finished rows, ragged turns
-            self._compact()
-        return [p[len(self._rows[i]):] for i, p in enumerate(prompts)]
-
-    def _compact(self) -> None:
-        """Move each row's real slots to the front of the time axis (a gather, no forward pass)."""
-        torch = self.torch
-        mask = self._mask
-        width = int(mask.sum(1).max())
-        # Stable order: real slots first, each row's in their original order.
-        order = torch.sort(1 - mask, dim=1, stable=True).indices[:, :width]  # [B, width]
-        for layer in self._cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            for name in ("keys", "values"):
-                t = getattr(layer, name)  # [B, heads, T, dim]
-                idx = order[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3])
-                setattr(layer, name, torch.gather(t, 2, idx).contiguous())
-        self._mask = torch.gather(mask, 1, order)
-
-    def _add_rows(self, k: int) -> None:
-        torch = self.torch
-        for layer in self._cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                setattr(layer, name, torch.cat([t, t.new_zeros((k, *t.shape[1:]))], dim=0))
-        self._mask = torch.cat([self._mask, self._mask.new_zeros((k, self._mask.shape[1]))], dim=0)
-
-    def _rebuild(self, prompts, sessions) -> list[list[int]]:
-        from transformers import DynamicCache
-
-        self._cache = DynamicCache()
-        self._rows = [[] for _ in prompts]
-        self._sessions = list(sessions) if sessions is not None else [object() for _ in prompts]
-        self._mask = self.torch.zeros((len(prompts), 0), dtype=self.torch.long, device=self.device)
-        return [list(p) for p in prompts]
-
-    def _forward(self, new: list[list[int]]):
-        """Append each row's new tokens; return next-token logits for every row, [B, V]."""
-        torch = self.torch
-        b, width = len(new), max(len(x) for x in new)
-        assert width > 0, "every forward must feed at least one row"
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        real = torch.zeros((b, width), dtype=torch.long)
-        for i, toks in enumerate(new):
-            ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-            real[i, : len(toks)] = 1
-        lens = torch.tensor([len(r) for r in self._rows], dtype=torch.long)
-        positions = lens[:, None] + torch.arange(width)[None, :]
-        ids, real, positions = ids.to(self.device), real.to(self.device), positions.to(self.device)
-        mask = torch.cat([self._mask, real], dim=1)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, **{self._cache_arg: self._cache})
-        self._mask = mask  # the cache object was extended in place
-        last = torch.tensor([max(len(x) - 1, 0) for x in new], device=self.device)
-        logits = out.logits[torch.arange(b, device=self.device), last]
-        for i, toks in enumerate(new):
-            self._rows[i].extend(toks)
-        return logits
-
-    def close(self) -> None:
-        self.reset_cache()
-        del self.model

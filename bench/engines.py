@@ -69,7 +69,7 @@ class _Weights:
 def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int) -> float:
     """Trajectories per second of one actor with engine `kind` over `groups` timed groups."""
     from actors.actor import Actor, ActorConfig
-    from actors.engine import make_engine
+    from actors.engines import make_engine
     from bench.parity import random_adapter
     from envs import make_env
     from launch.config import Config

@@ -129,7 +129,8 @@ def parity(device: str, prompts: int) -> dict:
     the same device (bf16 is the learner's default on CUDA)."""
     import torch
 
-    from actors.engine import SamplingParams, make_engine
+    from actors.engine import SamplingParams
+    from actors.engines import make_engine
     from bench.parity import compare, prompts_for, random_adapter
     from policy import Chat, load_tokenizer, resolve_model
     from policy.load import LoraSpec

@@ -102,7 +102,8 @@ def main() -> None:
 
     import torch
 
-    from actors.engine import SamplingParams, make_engine
+    from actors.engine import SamplingParams
+    from actors.engines import make_engine
     from policy import Chat, load_tokenizer, resolve_model
     from policy.load import LoraSpec
 

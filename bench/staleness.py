@@ -140,7 +140,7 @@ def run_one(eta: int, correction: str, seed: int, args: Args, model_path: str) -
     import torch
 
     from actors.actor import Actor
-    from actors.engine import make_engine
+    from actors.engines import make_engine
     from envs import make_env
     from launch.config import Config
     from launch.monitor import Evaluator

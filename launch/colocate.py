@@ -119,7 +119,8 @@ class Colocated:
 def _engine(learner, actor_cfg, seed: int):
     """The colocated rank's engine: the torch engine on the rank's own model, or vLLM on the
     rank's device, able to sleep."""
-    from actors.engine import TorchEngine, make_engine
+    from actors.engines import make_engine
+    from actors.torch_engine import TorchEngine
 
     if actor_cfg.engine == "torch":
         return TorchEngine(learner.model_path, learner.cfg.lora, device=str(learner.device), seed=seed,

@@ -7,12 +7,28 @@ This module imports nothing heavy, so `--help` answers at once.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import typing
 from dataclasses import dataclass, field
 
 from actors.actor import ActorConfig
-from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, LearnerConfig
+from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, Algo, Correction, LearnerConfig
 from replay.server import ReplayConfig
+
+
+def check_choices(section, prefix: str = "--") -> None:
+    """Every choice field (a `Literal` type) of `section` and of the sections nested in it holds one
+    of its choices; ValueError naming the flag otherwise. tyro refuses other values on the command
+    line; this check covers a config made in code or read from a run's config.json."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value, flag = getattr(section, f.name), prefix + f.name.replace("_", "-")
+        choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
+        if choices and value not in choices:
+            raise ValueError(f"unknown {flag} {value!r}; choose one of {', '.join(map(str, choices))}")
+        if dataclasses.is_dataclass(value):
+            check_choices(value, flag + ".")
 
 
 @dataclass
@@ -141,10 +157,10 @@ class Config:
     (--actors, --steps, --max-minutes, --eval-every, --ray-address, --actor.restarts, ...)."""
     max_staleness: int = 1
     """Staleness bound η: no group trained on is more than η policy versions old (forced to 0 by --colocate)."""
-    algo: str = DEFAULT_ALGO
+    algo: Algo = DEFAULT_ALGO
     """Advantage estimator: "grpo" (group-normalised; --learner.no-normalize-std gives Dr.GRPO),
     "rloo" (leave-one-out baseline) or "ppo" (a critic with its own LoRA adapter, GAE)."""
-    correction: str = DEFAULT_CORRECTION
+    correction: Correction = DEFAULT_CORRECTION
     """Staleness / mismatch correction against the behaviour log-probs μ: "none" (PPO clipped
     around μ: the default; with one update a step, as the default run makes, π_old is π_θ detached
     and only "none" keeps a trust region), "tis" (token-level truncated IS, min(π_old/μ, C)),
@@ -180,6 +196,7 @@ class Config:
     skyrl: SkyrlConfig = field(default_factory=SkyrlConfig)
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.actors < 1:
             raise ValueError(f"--actors must be at least 1, got {self.actors}")
         if self.learners < 1:
@@ -189,12 +206,6 @@ class Config:
         if self.max_staleness < 0:
             raise ValueError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
         self._check_template_kwargs()
-        from learner.losses import ALGOS, CORRECTIONS
-
-        if self.algo not in ALGOS:
-            raise ValueError(f"unknown --algo {self.algo!r}; choose one of {', '.join(ALGOS)}")
-        if self.correction not in CORRECTIONS:
-            raise ValueError(f"unknown --correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
         self._check_env()
         if self.model == "auto":
             self.model = "builtin:maze" if self.env == "maze" else "builtin:tiny"
@@ -322,6 +333,9 @@ class Config:
         return section.kwargs() if section is not None else {}
 
 
+PROG = "python -m launch.async"
+"""How --help and tyro's errors name the command."""
+
 RESUME_SAFE = ("actors", "steps", "max_minutes", "eval_every", "ray_address", "resume", "checkpoint_every",
                "keep_checkpoints", "actor.restarts", "actor.spread", "actor.threads", "learner.restarts",
                "learner.threads", "replay.restarts", "replay.port", "replay.host", "actor.gpus", "learner.gpus")
@@ -340,7 +354,7 @@ def resumed_config(argv: list[str]) -> Config:
 
     run_dir = _flag_value(argv, "--resume")
     if run_dir is None:
-        return tyro.cli(Config, args=argv)
+        return tyro.cli(Config, args=argv, prog=PROG)
     path = os.path.join(run_dir, "config.json")
     try:
         with open(path) as f:
@@ -348,7 +362,7 @@ def resumed_config(argv: list[str]) -> Config:
     except FileNotFoundError:
         raise ValueError(f"--resume {run_dir}: no config.json there (is it the directory of a run?)") from None
     base.logdir, base.resume = run_dir, run_dir
-    cfg = tyro.cli(Config, args=argv, default=base)
+    cfg = tyro.cli(Config, args=argv, default=base, prog=PROG)
     before, after = _flat(base), _flat(cfg)
     changed = sorted(k for k in after if after[k] != before.get(k) and k not in RESUME_SAFE)
     if changed:

@@ -18,7 +18,7 @@ class Evaluator:
     """
 
     def __init__(self, cfg: Config, model_path: str, seed: int | None = None, episodes: int | None = None) -> None:
-        from actors.engine import make_engine
+        from actors.engines import make_engine
         from envs import make_env
 
         self.cfg = cfg

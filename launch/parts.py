@@ -230,7 +230,7 @@ class ActorPart:
     def __init__(self, cfg: Config, model_path: str, index: int, replay_endpoint: str,
                  weight_endpoints: tuple[str, str], key: bytes | None) -> None:
         from actors.actor import Actor
-        from actors.engine import make_engine
+        from actors.engines import make_engine
         from envs import make_env
         from replay.zmq_client import ZmqActorReplay
         from weights.subscriber import WeightSubscriber

@@ -121,7 +121,7 @@ def sft_loss(model, ids, mask):
 
 def greedy_success(path: str, tasks: list[dict], cfg: WarmstartConfig) -> float:
     """Greedy success of the checkpoint at `path` on `tasks`, through the actors' code."""
-    from actors.engine import TorchEngine
+    from actors.torch_engine import TorchEngine
     from actors.rollout import evaluate
     from envs import make_env
     from policy.chat import Chat

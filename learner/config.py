@@ -4,18 +4,27 @@ are the headline flags `--algo` and `--correction` of the root config."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from policy.load import LoraSpec
 
-
-LR_SCHEDULES = ("cosine", "linear", "constant")
+# The choices of the config's choice fields: tyro lists them in --help and refuses any other value
+# on the command line, and the root config (launch/config.py) checks every such field of a config
+# made in code or read from config.json against the same types.
+Algo = Literal["grpo", "rloo", "ppo"]
+Correction = Literal["none", "tis", "seq-tis", "geo-mask", "decoupled"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+KlEstimator = Literal["k1", "k2", "k3"]
+LrSchedule = Literal["cosine", "linear", "constant"]
+ALGOS, CORRECTIONS, AGGREGATIONS, KL_ESTIMATORS, LR_SCHEDULES = map(
+    get_args, (Algo, Correction, Aggregation, KlEstimator, LrSchedule))
 
 # The adapters a learner trains: the policy's and, for PPO, the critic's.
 POLICY, CRITIC = "default", "critic"
 """PEFT adapter names: the policy (published to actors) and PPO's critic (never published)."""
 
-DEFAULT_ALGO = "grpo"
-DEFAULT_CORRECTION = "none"
+DEFAULT_ALGO: Algo = "grpo"
+DEFAULT_CORRECTION: Correction = "none"
 """The defaults of --algo and --correction, held here once: the root config (launch/config.py)
 and `Learner` both take them, so a learner built directly (a test, a benchmark) trains what the
 default run trains. Why "none": see the root config's --correction."""
@@ -49,7 +58,7 @@ class LearnerConfig:
 
     lr: float = 1.5e-3
     """AdamW learning rate for the LoRA weights."""
-    lr_schedule: str = "cosine"
+    lr_schedule: LrSchedule = "cosine"
     """Learning-rate schedule over the run's --steps: "cosine" (from --learner.lr down to
     --learner.lr-final × lr at the last step), "linear" (the same, in a straight line) or "constant"."""
     lr_final: float = 0.1
@@ -79,7 +88,7 @@ class LearnerConfig:
     geo_bound: float = 1.1
     """geo-mask keeps a trajectory when the geometric mean of π_old/μ over its tokens is in
     [1/geo_bound, geo_bound]."""
-    aggregation: str = "seq_mean_token_mean"
+    aggregation: Aggregation = "seq_mean_token_mean"
     """Loss aggregation: "seq_mean_token_mean" (each trajectory weighs the same, as in the GRPO
     paper), "token_mean" (each token weighs the same, as in DAPO) or "seq_mean_token_sum_norm"
     (token sums over a constant --learner.norm-length, as in Dr.GRPO)."""
@@ -90,7 +99,7 @@ class LearnerConfig:
     kl_coef: float = 0.0
     """Weight of the KL to the reference policy (the model with the adapter disabled) in the loss
     (0 = off, no reference forward pass)."""
-    kl_estimator: str = "k3"
+    kl_estimator: KlEstimator = "k3"
     """KL estimator of the reference term: "k1", "k2" or "k3"."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (0 = off; entropy is still reported)."""
@@ -121,7 +130,7 @@ class LearnerConfig:
     hidden state chunk by chunk, each recomputed in the backward, so no [tokens, vocabulary] float32
     tensor of the whole micro-batch ever exists (0 = the whole micro-batch's logits at once)."""
     lora: LoraSpec = field(default_factory=LoraSpec)
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """"cpu", "cuda" or "auto" (cuda when available)."""
     gpus: float = 0.0
     """GPUs each learner rank asks Ray for (0 = the CPU, gloo); above 0 the ranks train on CUDA with
@@ -129,7 +138,7 @@ class LearnerConfig:
     --learners give each rank a whole GPU (NCCL needs a device per rank)."""
     threads: int = 1
     """Torch CPU threads per learner process."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights and compute: "bfloat16" (frozen base weights stored in bf16, compute in bf16 through
     FSDP2's mixed precision; LoRA weights, the critic, gradient reduction and AdamW state stay
     float32), "float32", or "auto" (bfloat16 on CUDA, float32 on the CPU)."""
@@ -143,12 +152,8 @@ class LearnerConfig:
     that the run stops with the --resume command that continues it."""
 
     def __post_init__(self) -> None:
-        from learner.losses import AGGREGATIONS, KL_ESTIMATORS
-
         if self.lr <= 0 or self.critic_lr <= 0:
             raise ValueError(f"--learner.lr and --learner.critic-lr must be positive, got {self.lr}, {self.critic_lr}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"--learner.lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.lr_final <= 1:
             raise ValueError(f"--learner.lr-final is a fraction of --learner.lr in [0, 1], got {self.lr_final}")
         if self.groups_per_step < 1:
@@ -171,22 +176,14 @@ class LearnerConfig:
         if self.micro_batch_tokens < 0 or self.logit_chunk < 0:
             raise ValueError(f"--learner.micro-batch-tokens and --learner.logit-chunk must be 0 (off) or positive, "
                              f"got {self.micro_batch_tokens} and {self.logit_chunk}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"--learner.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.norm_length < 1:
             raise ValueError(f"--learner.norm-length must be at least 1, got {self.norm_length}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"--learner.kl-estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
             raise ValueError("--learner.kl-coef, --learner.entropy-coef and --learner.vf-coef must be ≥ 0")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"--learner.gamma and --learner.lam must be in [0, 1], got {self.gamma}, {self.lam}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--learner.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.restarts < 0:
             raise ValueError(f"--learner.restarts must be 0 or more, got {self.restarts}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--learner.device must be auto, cpu or cuda, got {self.device!r}")
         if not 0 <= self.gpus <= 1 or (self.gpus > 0 and self.device == "cpu"):
             raise ValueError(f"--learner.gpus is the GPUs of one rank, in [0, 1] (a rank trains on one device), "
                              f"and needs --learner.device auto or cuda; got {self.gpus:g} with {self.device}")

@@ -38,10 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-ALGOS = ("grpo", "rloo", "ppo")
-CORRECTIONS = ("none", "tis", "seq-tis", "geo-mask", "decoupled")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from learner.config import AGGREGATIONS, ALGOS, CORRECTIONS, KL_ESTIMATORS  # noqa: F401  (the choices)
 
 
 # -- advantages -----------------------------------------------------------------

@@ -35,7 +35,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from learner.config import CRITIC, DEFAULT_ALGO, DEFAULT_CORRECTION, POLICY, LearnerConfig, lr_factor
+from learner.config import (ALGOS, CORRECTIONS, CRITIC, DEFAULT_ALGO, DEFAULT_CORRECTION, POLICY, LearnerConfig,
+                            lr_factor)
 from policy.adapter import Adapter
 
 if TYPE_CHECKING:
@@ -60,12 +61,9 @@ class Learner:
                  replay, temperature: float = 1.0, algo: str = DEFAULT_ALGO,
                  correction: str = DEFAULT_CORRECTION, horizon: int | None = None, checkpoints=None,
                  publisher: Publisher | None = None, base_config=None) -> None:
-        from learner.losses import ALGOS, CORRECTIONS
-
-        if algo not in ALGOS:
-            raise ValueError(f"unknown --algo {algo!r}; choose one of {', '.join(ALGOS)}")
-        if correction not in CORRECTIONS:
-            raise ValueError(f"unknown --correction {correction!r}; choose one of {', '.join(CORRECTIONS)}")
+        for flag, value, choices in (("--algo", algo, ALGOS), ("--correction", correction, CORRECTIONS)):
+            if value not in choices:  # a learner built in code, without the root config's check
+                raise ValueError(f"unknown {flag} {value!r}; choose one of {', '.join(choices)}")
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
         self.dist_url, self.replay, self.temperature = dist_url, replay, temperature
         self.algo, self.correction = algo, correction

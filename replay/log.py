@@ -58,6 +58,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import msgpack
 import numpy as np
@@ -69,7 +70,8 @@ _HEAD = struct.Struct("<IIQ")  # meta length, raw length, checksum
 _WORDS = BLOCK // 8
 _KEY = np.uint64(0x9E3779B97F4A7C15)  # odd: 2^64 / golden ratio
 _MAX_META = 64 << 20
-FSYNC_POLICIES = ("always", "interval", "never")
+Fsync = Literal["always", "interval", "never"]
+FSYNC_POLICIES = get_args(Fsync)
 
 
 def blocks(n: int) -> int:

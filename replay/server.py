@@ -29,12 +29,14 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import zmq
 
 from replay.arena import ARENA_DIR, ArenaReader, host_id
 from replay.buffer import Entry, ReplayBuffer
 from replay.checker import Checker
+from replay.log import Fsync
 from replay.log_writer import LogWriter
 from replay.wake import drain
 from replay.messages import Ack, Credit, Hello, Ping, Push, Request, Sample, Stats, decode_request
@@ -56,7 +58,7 @@ class ReplayConfig:
     """Most groups stored or in flight at once; when full, actors wait for credits."""
     capacity_mb: int = 4096
     """Most megabytes of stored groups; when full, actors wait for credits."""
-    order: str = "fifo"
+    order: Literal["fifo", "newest"] = "fifo"
     """Sampling order among fresh groups: "fifo" (oldest first) or "newest"."""
     drop_zero_variance: bool = False
     """Dynamic sampling: drop (and count) groups whose rewards are all equal; they carry no GRPO signal."""
@@ -68,7 +70,7 @@ class ReplayConfig:
     keep_log: bool = False
     """Keep every segment of the log, also those whose groups were all consumed (for an audit of
     the whole run: `replay.log.history`); by default consumed segments are removed."""
-    fsync: str = "interval"
+    fsync: Fsync = "interval"
     """When the log is fsynced: "always" (before every ack), "interval" (about once a second), "never"."""
     arena_mb: int = 64
     """Each actor's shared-memory arena (/dev/shm), reserved up front: on replay's host, groups
@@ -93,10 +95,6 @@ class ReplayConfig:
             raise ValueError("--replay.capacity and --replay.capacity-mb must be at least 1")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--replay.port must be in [0, 65535], got {self.port}")
-        if self.order not in ("fifo", "newest"):
-            raise ValueError(f"--replay.order must be 'fifo' or 'newest', got {self.order!r}")
-        if self.fsync not in ("always", "interval", "never"):
-            raise ValueError(f"--replay.fsync must be always, interval or never, got {self.fsync!r}")
 
     def make_buffer(self, groups_per_step: int, max_staleness: int, learners: int,
                     log_dir: str | None = None) -> ReplayBuffer:

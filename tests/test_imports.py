@@ -6,6 +6,8 @@ policy/ import no other part, and weights/ none but the policy's adapter format
 (policy.adapter); actors/ and learner/ never import each other. No part imports bench/ or
 tests/. Every import counts: at the top of a module or inside a function, relative
 ones, and `importlib.import_module` / `__import__` of a name written in the code.
+No two modules import each other, however indirectly: an import hidden inside a
+function still ties the two modules together, so it counts for cycles as well.
 """
 
 import ast
@@ -28,8 +30,10 @@ ONLY = {("weights", "policy"): {"policy.adapter"}}
 PROJECT = set(PARTS) | {"bench", "tests"}
 
 
-def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in the file at `path` under `root`."""
+def imported_modules(path: Path, root: Path = ROOT, names: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file at `path` under `root`; with
+    `names`, also `module.name` for each name of a `from module import name` (which may be a
+    submodule)."""
     package = path.relative_to(root).parts[:-1]  # a module's package, or an __init__.py's own
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -42,6 +46,8 @@ def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
             else:
                 name = node.module
             out.append((node.lineno, name))
+            if names:
+                out += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]
         elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
               and isinstance(node.args[0].value, str)
               and (getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None)
@@ -81,3 +87,71 @@ def test_imports_run_one_way():
 def test_every_part_is_checked():
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert packages - {"bench"} == set(PARTS), "a new package needs its row in ALLOWED"
+
+
+def module_graph(root: Path = ROOT, parts=PARTS) -> dict[str, set[str]]:
+    """Each project module under `root` (dotted name) and the project modules it imports."""
+    paths = {}
+    for part in parts:
+        for path in sorted((root / part).rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("").parts
+            paths[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = path
+    return {module: {name for _, name in imported_modules(path, root, names=True)
+                     if name in paths and name != module}
+            for module, path in paths.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph`: each strongly connected set of two or more modules, as one
+    path around it (Tarjan's algorithm, iterative so that deep chains cannot overflow)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        found.append(sorted(group))
+            elif nxt not in index:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt)
+                on_stack.add(nxt)
+                work.append((nxt, iter(sorted(graph[nxt]))))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+    return found
+
+
+def test_the_cycle_finder_sees_a_cycle_hidden_in_a_function(tmp_path):
+    (tmp_path / "actors").mkdir()
+    (tmp_path / "actors" / "__init__.py").write_text("")
+    (tmp_path / "actors" / "a.py").write_text("from actors.b import f\n")
+    (tmp_path / "actors" / "b.py").write_text("def f():\n    from . import c\n")
+    (tmp_path / "actors" / "c.py").write_text("def g():\n    import actors.a\n")
+    (tmp_path / "actors" / "d.py").write_text("import actors.a\n")
+    graph = module_graph(tmp_path, parts=("actors",))
+    assert graph["actors.b"] == {"actors", "actors.c"}
+    assert cycles(graph) == [["actors.a", "actors.b", "actors.c"]]
+
+
+def test_no_two_modules_import_each_other():
+    found = cycles(module_graph())
+    assert not found, "import cycles (function-local imports included):\n" + "\n".join(
+        " <-> ".join(group) for group in found)

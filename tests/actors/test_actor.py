@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from actors.actor import Actor, ActorConfig
-from actors.engine import SamplingParams, TorchEngine
+from actors.engine import SamplingParams
+from actors.torch_engine import TorchEngine
 from envs import make_env
 from policy.load import LoraSpec
 from replay.buffer import ReplayBuffer

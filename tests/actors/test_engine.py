@@ -2,7 +2,9 @@
 
 import torch
 
-from actors.engine import SamplingParams, TorchEngine, make_engine
+from actors.engine import SamplingParams
+from actors.engines import make_engine
+from actors.torch_engine import TorchEngine
 from policy.load import LoraSpec
 
 

@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from actors.actor import Actor, ActorConfig
-from actors.engine import SamplingParams, TorchEngine
+from actors.engine import SamplingParams
+from actors.torch_engine import TorchEngine
 from actors.envrunner import EnvRunner
 from actors.rollout import play, start
 from envs import make_env

@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
-from actors.engine import RequestEngine, SamplingParams, TorchEngine, make_engine
+from actors.engine import RequestEngine, SamplingParams
+from actors.engines import make_engine
+from actors.torch_engine import TorchEngine
 from bench.parity import compare, learner_logprobs, prompts_for, random_adapter
 from policy.load import LoraSpec
 

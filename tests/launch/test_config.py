@@ -1,5 +1,6 @@
 """Bad configuration fails at once, with a message that says what to change."""
 
+import os
 import re
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 
 from actors.actor import ActorConfig
-from launch.config import Config, SkyrlConfig
+from launch.config import Config, SkyrlConfig, check_choices
 from replay.server import ReplayConfig
 
 
@@ -72,7 +73,6 @@ def test_colocate_is_strictly_on_policy():
     (["--env", "chess"], "unknown environment 'chess'"),
     (["--maze.curriculum", "3@zero"], "--maze.curriculum: bad curriculum stage '3@zero'"),
     (["--actor.group-size", "1"], "--actor.group-size"),
-    (["--actor.device", "tpu"], "--actor.device must be cpu, cuda or auto"),
     (["--actor.memory-fraction", "1.5"], "--actor.memory-fraction must be in (0, 1]"),
     (["--actor.in-flight", "drop"], "--actor.in-flight"),
 ])
@@ -88,6 +88,58 @@ def test_actors_on_gpus_the_cluster_lacks_fail_at_start(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
     assert "the parts ask for 3 GPUs (actors 2 × 1 + evaluator 1 × 1); the Ray cluster has 0" in run.stderr
+
+
+def choice_fields(section=None, prefix="--"):
+    """(flag, choices) of every choice field (a `Literal` type) in the config tree."""
+    import dataclasses
+    import typing
+
+    section = section or Config()
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        flag, value = prefix + f.name.replace("_", "-"), getattr(section, f.name)
+        if typing.get_origin(hints[f.name]) is typing.Literal:
+            yield flag, typing.get_args(hints[f.name])
+        elif dataclasses.is_dataclass(value):
+            yield from choice_fields(value, flag + ".")
+
+
+def test_the_choice_fields_are_those_a_user_picks_from():
+    flags = {flag for flag, _ in choice_fields()}
+    assert {"--algo", "--correction", "--learner.aggregation", "--learner.kl-estimator", "--learner.lr-schedule",
+            "--learner.dtype", "--learner.device", "--actor.engine", "--actor.in-flight", "--actor.device",
+            "--actor.dtype", "--replay.order", "--replay.fsync"} <= flags
+
+
+def test_a_config_made_in_code_with_a_value_outside_a_choice_names_the_flag_and_the_choices():
+    for flag, choices in choice_fields():
+        path = flag[2:].replace("-", "_").split(".")
+        cfg = Config()
+        section = cfg
+        for name in path[:-1]:
+            section = getattr(section, name)
+        object.__setattr__(section, path[-1], "bogus")
+        with pytest.raises(ValueError, match=re.escape(f"unknown {flag} 'bogus'; choose one of {', '.join(choices)}")):
+            check_choices(cfg)
+        with pytest.raises(ValueError, match=re.escape(f"unknown {flag} 'bogus'")):  # as --resume reads it
+            Config.from_json(cfg.to_json())
+
+
+def test_help_lists_every_choice_and_the_command_line_refuses_others():
+    run = subprocess.run([sys.executable, "-m", "launch.async", "--help"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "400"})
+    assert run.returncode == 0
+    for flag, choices in choice_fields():
+        assert f"{flag} {{{','.join(choices)}}}" in run.stdout, flag
+    for args, flag in ((["--learner.aggregation", "sum"], "--learner.aggregation"),
+                       (["--actor.device", "tpu"], "--actor.device"), (["--replay.fsync", "sometimes"], "--replay.fsync")):
+        run = subprocess.run([sys.executable, "-m", "launch.async", *args], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "COLUMNS": "400"})
+        assert run.returncode != 0
+        out = " ".join((run.stdout + run.stderr).split())
+        assert f"invalid choice '{args[1]}' for argument '{flag}'" in out, out
+        assert "python -m launch.async --help" in out
 
 
 def test_help_lists_the_headline_flags():

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from actors.actor import Actor
-from actors.engine import make_engine
+from actors.engines import make_engine
 from envs import make_env
 from launch.config import Config
 from learner.trainer import Learner

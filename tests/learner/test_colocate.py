@@ -15,7 +15,8 @@ from tests.replay.helpers import make_group
 def _rank(rank, url, model_path, endpoint, out):
     import torch
 
-    from actors.engine import SamplingParams, TorchEngine
+    from actors.engine import SamplingParams
+    from actors.torch_engine import TorchEngine
     from learner.colocate import generating
     from learner.config import LearnerConfig
     from learner.trainer import Learner

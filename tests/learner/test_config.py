@@ -25,9 +25,7 @@ def test_bad_headline_values_name_the_flag(kwargs, message):
     ({"is_cap": 0.0}, "--correction none"),
     ({"drop_cap": 1.0}, "--learner.drop-cap"),
     ({"geo_bound": 1.0}, "--learner.geo-bound"),
-    ({"aggregation": "sum"}, "--learner.aggregation"),
     ({"norm_length": 0}, "--learner.norm-length"),
-    ({"kl_estimator": "k4"}, "--learner.kl-estimator"),
     ({"kl_coef": -1.0}, "--learner.kl-coef"),
     ({"lam": 1.5}, "--learner.lam"),
     ({"critic_lr": 0.0}, "--learner.critic-lr"),
@@ -77,8 +75,23 @@ def test_learning_rate_schedules_by_hand():
     assert lr_factor("cosine", 3, None, 0.1) == 1.0                   # no budget, no schedule
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"aggregation": "sum"}, "unknown --learner.aggregation 'sum'"),
+    ({"kl_estimator": "k4"}, "unknown --learner.kl-estimator 'k4'; choose one of k1, k2, k3"),
+    ({"lr_schedule": "step"}, "unknown --learner.lr-schedule 'step'; choose one of cosine, linear, constant"),
+])
+def test_bad_learner_choices_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Config(learner=LearnerConfig(**kwargs))
+
+
+def test_a_learner_built_in_code_refuses_an_unknown_algorithm_before_it_loads_anything():
+    from learner.trainer import Learner
+
+    with pytest.raises(ValueError, match="unknown --algo 'a2c'; choose one of grpo, rloo, ppo"):
+        Learner(LearnerConfig(), "/no/such/model", 0, 1, "tcp://127.0.0.1:1", None, algo="a2c")
+
+
 def test_bad_schedule_names_the_flag():
-    with pytest.raises(ValueError, match="--learner.lr-schedule"):
-        LearnerConfig(lr_schedule="step")
     with pytest.raises(ValueError, match="--learner.lr-final"):
         LearnerConfig(lr_final=1.5)

@@ -222,7 +222,8 @@ def test_a_template_that_refuses_the_tool_role_is_accepted_for_environments_that
 def test_the_rollout_closes_a_turn_cut_by_length_before_the_observation(tiny_model, chat):
     """The torch engine's turns of 2 tokens mostly end by length: each one that is followed by an
     observation gets the end-of-turn token (mask 0, log-prob 0) before it."""
-    from actors.engine import SamplingParams, TorchEngine
+    from actors.engine import SamplingParams
+    from actors.torch_engine import TorchEngine
     from actors.envrunner import EnvRunner
     from actors.rollout import play as play_episodes
     from actors.rollout import start
