@@ -36,6 +36,7 @@ from actors.engine import Engine, RequestEngine, SamplingParams, stream_seed
 from actors.envrunner import EnvRunner
 from actors.rollout import Episode, close, driver, start
 from envs.base import TextEnv
+from policy.choices import check_choices
 from replay.client import ActorReplay, ReplayUnavailable
 from weights.subscriber import WeightSource
 from replay.wire import Group
@@ -134,6 +135,7 @@ class ActorConfig:
                 "enforce_eager": self.enforce_eager}
 
     def __post_init__(self) -> None:
+        check_choices(self, "--actor.")
         if self.restarts < 0:
             raise ValueError(f"--actor.restarts must be 0 or more, got {self.restarts}")
         if not 0 <= self.gpus <= 1:

@@ -7,28 +7,13 @@ This module imports nothing heavy, so `--help` answers at once.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-import typing
 from dataclasses import dataclass, field
 
 from actors.actor import ActorConfig
 from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, Algo, Correction, LearnerConfig
+from policy.choices import check_choices
 from replay.server import ReplayConfig
-
-
-def check_choices(section, prefix: str = "--") -> None:
-    """Every choice field (a `Literal` type) of `section` and of the sections nested in it holds one
-    of its choices; ValueError naming the flag otherwise. tyro refuses other values on the command
-    line; this check covers a config made in code or read from a run's config.json."""
-    hints = typing.get_type_hints(type(section))
-    for f in dataclasses.fields(section):
-        value, flag = getattr(section, f.name), prefix + f.name.replace("_", "-")
-        choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
-        if choices and value not in choices:
-            raise ValueError(f"unknown {flag} {value!r}; choose one of {', '.join(map(str, choices))}")
-        if dataclasses.is_dataclass(value):
-            check_choices(value, flag + ".")
 
 
 @dataclass

@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from policy.choices import check_choices
 from policy.load import LoraSpec
 
-# The choices of the config's choice fields: tyro lists them in --help and refuses any other value
-# on the command line, and the root config (launch/config.py) checks every such field of a config
-# made in code or read from config.json against the same types.
+# The choices of the choice fields (policy/choices.py says how they are checked).
 Algo = Literal["grpo", "rloo", "ppo"]
 Correction = Literal["none", "tis", "seq-tis", "geo-mask", "decoupled"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
@@ -152,6 +151,7 @@ class LearnerConfig:
     that the run stops with the --resume command that continues it."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "--learner.")
         if self.lr <= 0 or self.critic_lr <= 0:
             raise ValueError(f"--learner.lr and --learner.critic-lr must be positive, got {self.lr}, {self.critic_lr}")
         if not 0 <= self.lr_final <= 1:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Literal, Protocol
+from typing import Callable, Literal, Protocol, get_args
 
 from policy.adapter import Adapter
 from weights.chunks import Assembly, BrokenAdapter, stream_messages
@@ -31,7 +31,7 @@ from weights.wire import ChunkHeader, Commit, ShmNote, encode
 log = logging.getLogger("tandem.weights")
 
 Transport = Literal["shm", "socket"]
-TRANSPORTS = ("shm", "socket")
+TRANSPORTS = get_args(Transport)
 NEWS, DATA = b"tandem.adapter.news", b"tandem.adapter.data"
 """Topics of the PUB socket (each message's first frame)."""
 

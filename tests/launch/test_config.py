@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from actors.actor import ActorConfig
-from launch.config import Config, SkyrlConfig, check_choices
+from launch.config import Config, SkyrlConfig
+from policy.choices import check_choices
 from replay.server import ReplayConfig
 
 

@@ -248,7 +248,7 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny
 def test_an_unknown_dtype_is_refused_with_the_choices(name):
     from learner.config import LearnerConfig
 
-    with pytest.raises(ValueError, match="auto, float32 or bfloat16"):
+    with pytest.raises(ValueError, match=f"unknown --learner.dtype '{name}'; choose one of auto, float32, bfloat16"):
         LearnerConfig(dtype=name)
 
 
