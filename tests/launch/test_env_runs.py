@@ -2,8 +2,9 @@
 the job's config gives the environment's flags and the chat; a real actor (torch engine, the
 untrained tiny policy, environments on its threads) plays groups into replay; a real world-1
 learner (gloo) trains a step on them and publishes the adapter over its weight channel, which the
-actor applies. No signal or process boundary is under test here; the whole job with subprocesses
-and Ray: tests/launch/test_smoke.py."""
+actor applies. The one process boundary here is the environment's own: every environment is also
+built in a Ray worker from the config as the launcher ships it, and draws the driver's task. The
+whole job with subprocesses and Ray: tests/launch/test_smoke.py."""
 
 import json
 import math
@@ -89,3 +90,67 @@ def test_skyrl_gym_environment_runs(tmp_path, tiny_model):
     tasks.write_text("\n".join(json.dumps(r) for r in rows))
     stats, metrics = play_and_train(config("skyrl:gsm8k", "--skyrl.tasks", str(tasks)), tiny_model)
     check(stats, metrics)
+
+
+@pytest.fixture(scope="module")
+def ray_workers(tmp_path_factory):
+    """A Ray of the job's own, started as the launcher starts one (`cluster.start_local` with its
+    runtime environment), from a launch directory that holds a user's environment module."""
+    import os
+
+    import ray
+
+    from launch import cluster
+
+    here = tmp_path_factory.mktemp("launch-dir")
+    (here / "my_maze_env.py").write_text("from envs.maze import MazeEnv\n\n\nclass Maze(MazeEnv):\n    pass\n")
+    tasks = here / "gsm8k.jsonl"
+    tasks.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+                                           "env_class": "gsm8k",
+                                           "reward_spec": {"method": "rule", "ground_truth": str(2 * i)}})
+                               for i in range(8)))
+    old = os.getcwd()
+    os.chdir(here)
+    try:
+        cluster.start_local(2, cluster.runtime_env({}, "my_maze_env:Maze", joining=False))
+    finally:
+        os.chdir(old)
+    yield tasks
+    ray.shutdown()
+
+
+def first_turn(cfg: Config, seed: int) -> tuple[list, float]:
+    """The first observation of the task `seed` and the reward of a wrong answer to it, from the
+    environment the config names, built as an actor builds it."""
+    env = make_env(cfg.env, **cfg.env_kwargs())
+    observation, _ = env.reset(seed=seed)
+    _, reward, *_ = env.step("no idea")
+    return list(observation), reward
+
+
+@pytest.mark.parametrize("env", ["maze", "countdown", "sql", "calculator", "skyrl:gsm8k", "my_maze_env:Maze"])
+def test_an_environment_is_built_in_a_ray_worker_from_the_config_the_launcher_ships(env, ray_workers):
+    """What reaches an actor's process is the config (through Ray) and the environment's module
+    (installed, or a user's from the launch directory): the worker draws the very task the driver
+    draws from the same seed, so the evaluator and the actors agree on every task."""
+    import ray
+
+    if env.startswith("skyrl"):
+        pytest.importorskip("skyrl_gym")
+    import sys
+
+    flags = ["--skyrl.tasks", str(ray_workers)] if env.startswith("skyrl") else []
+    cfg = config(env, *flags) if ":" not in env or env.startswith("skyrl") else None
+    if cfg is None:  # a user's module: importable here only from the launch directory, as for a user
+        sys.path.insert(0, str(ray_workers.parent))
+        try:
+            cfg = config(env)
+            here = first_turn(cfg, 11)
+        finally:
+            sys.path.remove(str(ray_workers.parent))
+            sys.modules.pop("my_maze_env", None)
+    else:
+        here = first_turn(cfg, 11)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test module is not on the workers' path
+    there = ray.get(ray.remote(first_turn).remote(cfg, 11), timeout=120)
+    assert there == here and there[0] and there[1] == 0.0
