@@ -15,8 +15,9 @@ Correction = Literal["none", "tis", "seq-tis", "geo-mask", "decoupled"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KlEstimator = Literal["k1", "k2", "k3"]
 LrSchedule = Literal["cosine", "linear", "constant"]
-ALGOS, CORRECTIONS, AGGREGATIONS, KL_ESTIMATORS, LR_SCHEDULES = map(
-    get_args, (Algo, Correction, Aggregation, KlEstimator, LrSchedule))
+Dtype = Literal["auto", "float32", "bfloat16"]
+ALGOS, CORRECTIONS, AGGREGATIONS, KL_ESTIMATORS, LR_SCHEDULES, DTYPES = map(
+    get_args, (Algo, Correction, Aggregation, KlEstimator, LrSchedule, Dtype))
 
 # The adapters a learner trains: the policy's and, for PPO, the critic's.
 POLICY, CRITIC = "default", "critic"
@@ -137,7 +138,7 @@ class LearnerConfig:
     --learners give each rank a whole GPU (NCCL needs a device per rank)."""
     threads: int = 1
     """Torch CPU threads per learner process."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Dtype = "auto"
     """Weights and compute: "bfloat16" (frozen base weights stored in bf16, compute in bf16 through
     FSDP2's mixed precision; LoRA weights, the critic, gradient reduction and AdamW state stay
     float32), "float32", or "auto" (bfloat16 on CUDA, float32 on the CPU)."""

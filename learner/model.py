@@ -40,16 +40,14 @@ from contextlib import contextmanager
 
 import torch
 
-from learner.config import CRITIC, POLICY
+from learner.config import CRITIC, DTYPES, POLICY
+from policy.choices import check_choice
 from policy.load import LoraSpec
-
-DTYPES = ("auto", "float32", "bfloat16")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The learner's base-weight and compute dtype: "auto" is bf16 on CUDA, fp32 on CPU."""
-    if name not in DTYPES:
-        raise ValueError(f"--learner.dtype must be one of {DTYPES}, got {name!r}")
+    check_choice("--learner.dtype", name, DTYPES)
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from learner.config import (ALGOS, CORRECTIONS, CRITIC, DEFAULT_ALGO, DEFAULT_CORRECTION, POLICY, LearnerConfig,
                             lr_factor)
 from policy.adapter import Adapter
+from policy.choices import check_choice
 
 if TYPE_CHECKING:
     from weights.publisher import Publisher
@@ -61,9 +62,8 @@ class Learner:
                  replay, temperature: float = 1.0, algo: str = DEFAULT_ALGO,
                  correction: str = DEFAULT_CORRECTION, horizon: int | None = None, checkpoints=None,
                  publisher: Publisher | None = None, base_config=None) -> None:
-        for flag, value, choices in (("--algo", algo, ALGOS), ("--correction", correction, CORRECTIONS)):
-            if value not in choices:  # a learner built in code, without the root config's check
-                raise ValueError(f"unknown {flag} {value!r}; choose one of {', '.join(choices)}")
+        check_choice("--algo", algo, ALGOS)  # a learner built in code has no root config to check these
+        check_choice("--correction", correction, CORRECTIONS)
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
         self.dist_url, self.replay, self.temperature = dist_url, replay, temperature
         self.algo, self.correction = algo, correction

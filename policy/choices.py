@@ -14,14 +14,19 @@ import dataclasses
 import typing
 
 
+def check_choice(flag: str, value, choices: tuple) -> None:
+    """ValueError naming `flag` and its `choices` unless `value` is one of them."""
+    if value not in choices:
+        raise ValueError(f"unknown {flag} {value!r}; choose one of {', '.join(map(str, choices))}")
+
+
 def check_choices(section, prefix: str = "--") -> None:
     """Every choice field (a `Literal` type) of the dataclass `section`, and of the sections nested
     in it, holds one of its choices; ValueError naming the flag (`prefix` + the field) otherwise."""
     hints = typing.get_type_hints(type(section))
     for f in dataclasses.fields(section):
         value, flag = getattr(section, f.name), prefix + f.name.replace("_", "-")
-        choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
-        if choices and value not in choices:
-            raise ValueError(f"unknown {flag} {value!r}; choose one of {', '.join(map(str, choices))}")
+        if typing.get_origin(hints[f.name]) is typing.Literal:
+            check_choice(flag, value, typing.get_args(hints[f.name]))
         if dataclasses.is_dataclass(value):
             check_choices(value, flag + ".")

@@ -135,22 +135,18 @@ def test_an_environment_is_built_in_a_ray_worker_from_the_config_the_launcher_sh
     draws from the same seed, so the evaluator and the actors agree on every task."""
     import ray
 
-    if env.startswith("skyrl"):
-        pytest.importorskip("skyrl_gym")
     import sys
 
-    flags = ["--skyrl.tasks", str(ray_workers)] if env.startswith("skyrl") else []
-    cfg = config(env, *flags) if ":" not in env or env.startswith("skyrl") else None
-    if cfg is None:  # a user's module: importable here only from the launch directory, as for a user
-        sys.path.insert(0, str(ray_workers.parent))
-        try:
-            cfg = config(env)
-            here = first_turn(cfg, 11)
-        finally:
-            sys.path.remove(str(ray_workers.parent))
-            sys.modules.pop("my_maze_env", None)
-    else:
+    if env.startswith("skyrl"):
+        pytest.importorskip("skyrl_gym")
+    launch_dir = str(ray_workers.parent)  # a user's module is importable from there alone, as for a user
+    sys.path.insert(0, launch_dir)
+    try:
+        cfg = config(env, *(["--skyrl.tasks", str(ray_workers)] if env.startswith("skyrl") else []))
         here = first_turn(cfg, 11)
+    finally:
+        sys.path.remove(launch_dir)
+        sys.modules.pop("my_maze_env", None)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test module is not on the workers' path
     there = ray.get(ray.remote(first_turn).remote(cfg, 11), timeout=120)
     assert there == here and there[0] and there[1] == 0.0
