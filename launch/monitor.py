@@ -64,9 +64,11 @@ class Board:
         """The learners' optimizer steps so far (the x axis is the policy version)."""
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        """Written and flushed: a driver that is killed loses none of the steps it logged."""
         for k, v in values.items():
             self.writer.add_scalar(k, v, step)
             self.last[k] = v
+        self.writer.flush()
 
     def histogram(self, step: int, tag: str, counts: dict[str, int]) -> None:
         """A histogram from {value: count} (e.g. staleness of served groups)."""

@@ -6,8 +6,7 @@ Every command line in the README's shell blocks is checked here: `python -m laun
 lines parse into a valid config (a misspelt flag or a bad value fails), the other modules'
 lines parse with their own argument parsers, the install and test lines are those CI runs
 (`.ci/run`), and the example's commands run. The jobs themselves run in
-tests/launch/test_smoke.py (the quick start, vLLM actors), tests/launch/test_ppo_smoke.py and
-below (guess:GuessEnv)."""
+tests/launch/test_smoke.py (the quick start with PPO, vLLM actors) and below (guess:GuessEnv)."""
 
 import importlib.util
 import re

@@ -2,7 +2,10 @@
 out-of-memory kill or a preempted machine would: the run reaches its step budget, versions only go
 up, no group is trained twice, and every group replay acknowledged to an actor is trained on,
 dropped as stale, or still buffered at the end. Kills share runs where their checks allow. (Parts
-that die past their restarts, as the driver sees them: tests/launch/test_supervise.py.)"""
+that die past their restarts, as the driver sees them: tests/launch/test_supervise.py.)
+
+Two runs carry every kill: an actor, a learner rank, then SIGTERM and a resume; an actor, the
+replay service, then the driver and a resume."""
 
 import json
 import os
@@ -23,7 +26,7 @@ from replay.log import history
 
 pytestmark = pytest.mark.slow
 
-STEPS = 7
+STEPS = 9
 RUN = ["--actors", "2", "--learners", "2", "--steps", str(STEPS), "--learner.groups-per-step", "4",
        "--eval-episodes", "8", "--checkpoint-every", "3", "--replay.keep-log"]
 
@@ -61,10 +64,11 @@ def kill_part(proc: subprocess.Popen, title: str) -> None:
     random.choice(found).send_signal(signal.SIGKILL)
 
 
-def kill_job(proc: subprocess.Popen) -> None:
+def kill_job(proc: subprocess.Popen) -> str:
     """SIGKILL the driver, as a lost machine would, and wait for its parts to end (Ray's workers end
     with its raylet, which ends with the driver); any still there after a minute are killed. Ray's
-    dashboard and runtime-env agents can outlive the raylet: they are killed once the rest is gone."""
+    dashboard and runtime-env agents can outlive the raylet: they are killed once the rest is gone.
+    Returns what the job printed that was not read yet."""
     parts, agents = [], []
     for p in psutil.Process(proc.pid).children(recursive=True):
         try:
@@ -72,13 +76,14 @@ def kill_job(proc: subprocess.Popen) -> None:
         except psutil.NoSuchProcess:
             continue
     proc.kill()
-    proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=60)
     _, alive = psutil.wait_procs(parts, timeout=60)
     for p in alive + agents:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             continue
+    return out
 
 
 def finish(proc: subprocess.Popen, seen: str = "") -> str:
@@ -128,6 +133,17 @@ def audit(logdir: Path, count_drops: bool = True) -> dict:
     return {"trained": len(log["trained"]), "dropped": len(dropped), "buffered": len(buffered), "scalars": scalars}
 
 
+def wait_for_scalar(proc: subprocess.Popen, logdir: Path, tag: str, value: float, timeout: float = 600) -> None:
+    """Until the job's TensorBoard files hold `tag` at `value` (the driver flushes them at every step)."""
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None, f"the run ended before {tag} reached {value}: {proc.stdout.read()[-3000:]}"
+        assert time.time() < deadline, f"{tag} not at {value} within {timeout} s"
+        if any(v == value for _, v in read_scalars(str(logdir)).get(tag, [])):
+            return
+        time.sleep(1)
+
+
 def wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 600) -> str:
     """The job's output up to and including its first line holding `text`."""
     seen, deadline = [], time.time() + timeout
@@ -139,68 +155,11 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 600) -> st
     raise AssertionError(f"the run ended before printing {text!r}: {''.join(seen)[-3000:]}")
 
 
-def test_an_actor_then_the_replay_service_killed_mid_run_are_brought_back_and_no_step_is_lost(tmp_path):
-    """The actor just after version 0 is evaluated (in its constructor or its loop, at random),
-    the replay service at a later version: each is restarted once, and every step is trained."""
-    logdir = tmp_path / "run"
-    proc = start(*RUN, "--logdir", str(logdir))
-    seen = wait_for_line(proc, "eval v0")  # the actors are starting or generating
-    time.sleep(random.uniform(0, 4))
-    kill_part(proc, "ray::ActorPart")
-    wait_for_version(proc, logdir, random.randint(2, 4))
-    time.sleep(random.uniform(0, 2))
-    kill_part(proc, "ray::ReplayPart")
-    out = finish(proc, seen)
-    assert re.search(r"actor-\d died .*restarting it \(1 of 3\)", out), out[-4000:]
-    assert re.search(r"the replay service died .*its log brings back every stored group \(1 of 3\)", out), out[-4000:]
-    # Drops the killed replay counted after its last report are not in TensorBoard: not compared.
-    found = audit(logdir, count_drops=False)
-    assert found["scalars"]["actors/restarts"][-1][1] == 1.0
-    assert found["scalars"]["replay/restarts"][-1][1] == 1.0
-    assert [s for s, _ in found["scalars"]["learner/loss"]] == list(range(1, STEPS + 1))
-
-
-def test_an_actor_then_a_learner_rank_killed_mid_run_are_brought_back_and_nothing_is_trained_twice(tmp_path):
-    logdir = tmp_path / "run"
-    proc = start(*RUN, "--logdir", str(logdir))
-    wait_for_version(proc, logdir, random.randint(1, 2))
-    time.sleep(random.uniform(0, 2))
-    kill_part(proc, "ray::ActorPart")
-    wait_for_version(proc, logdir, random.randint(3, 4))
-    time.sleep(random.uniform(0, 2))
-    kill_part(proc, "ray::LearnerPart")
-    out = finish(proc)
-    assert re.search(r"actor-\d died .*restarting it \(1 of 3\)", out), out[-4000:]
-    assert re.search(r"a learner rank died .*went back to its newest checkpoint \(1 of 2 restarts\)", out), \
-        out[-4000:]
-    found = audit(logdir)
-    assert found["scalars"]["actors/restarts"][-1][1] == 1.0
-    assert found["scalars"]["learner/restarts"][-1][1] == 1.0
-
-
-def test_a_killed_driver_leaves_a_run_that_resume_finishes(tmp_path):
-    logdir = tmp_path / "run"
-    proc = start(*RUN, "--logdir", str(logdir))
-    wait_for_version(proc, logdir, random.randint(2, 3))  # then 4+ steps: the waiting groups are served
-    time.sleep(random.uniform(0, 2))
-    kill_job(proc)
-    before = published(logdir)
-    at_kill = history(logdir / "replay-log")
-    waiting = set(at_kill["stored"]) - at_kill["consumed"]  # acknowledged to actors, not trained on
-    out = finish(start("--resume", str(logdir)))
-    assert f"{STEPS} steps" in out
-    found = audit(logdir, count_drops=False)  # the first replay's last drops died with the driver
-    after = history(logdir / "replay-log")
-    # Served after the resume (oldest first), or dropped as too stale for the resumed versions.
-    assert waiting <= set(after["trained"]) | after["dropped"], (len(waiting), out[-3000:])
-    versions = [s for s, _ in found["scalars"]["learner/loss"]]
-    assert versions[-1] > before  # the resumed versions went on above every version published before
-    assert json.loads((logdir / "checkpoints" / f"step-{STEPS:06d}" / "meta.json").read_text())["step"] == STEPS
-
-
-def test_sigterm_checkpoints_and_exits_with_the_command_that_resume_continues(tmp_path):
-    """A second job started in the running run's directory is refused first; then SIGTERM (as a
-    scheduler sends it) stops the run, and --resume finishes it."""
+def test_an_actor_and_a_learner_rank_killed_are_brought_back_then_sigterm_stops_the_run_and_resume_finishes_it(tmp_path):
+    """A second job started in the running run's directory is refused; an actor, then a learner
+    rank, is SIGKILLed at a random moment and brought back, and nothing is trained twice; then
+    SIGTERM (as a scheduler sends it) checkpoints and stops the run, and --resume finishes it
+    without losing or repeating a step."""
     logdir = tmp_path / "run"
     proc = start(*RUN, "--logdir", str(logdir))
     try:
@@ -209,21 +168,74 @@ def test_sigterm_checkpoints_and_exits_with_the_command_that_resume_continues(tm
             time.sleep(0.2)
         second = subprocess.Popen([sys.executable, "-m", "launch.async", "--resume", str(logdir)],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        wait_for_version(proc, logdir, 2)
+        wait_for_version(proc, logdir, random.randint(1, 2))
         _, err = second.communicate(timeout=300)
         assert second.returncode == 2 and f"another job is running in {logdir}" in err, err[-2000:]
+        time.sleep(random.uniform(0, 2))
+        kill_part(proc, "ray::ActorPart")
+        wait_for_version(proc, logdir, random.randint(3, 4))
+        time.sleep(random.uniform(0, 2))
+        kill_part(proc, "ray::LearnerPart")
+        wait_for_scalar(proc, logdir, "learner/restarts", 1.0)  # a step trained by the group brought back
     except BaseException:
         kill_job(proc)
         raise
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"actor-\d died .*restarting it \(1 of 3\)", out), out[-4000:]
+    assert re.search(r"a learner rank died .*went back to its newest checkpoint \(1 of 2 restarts\)", out), \
+        out[-4000:]
     stopped = re.search(rf"stopped at step (\d+) of {STEPS}: continue with  python -m launch\.async --resume (\S+)",
                         out)
     assert stopped and stopped.group(2) == str(logdir), out[-3000:]
     step = int(stopped.group(1))
     assert 2 <= step < STEPS
     assert os.path.isdir(logdir / "checkpoints" / f"step-{step:06d}")  # saved where it stopped: nothing lost
-    out = finish(start("--resume", str(logdir), "--actors", "1"))
+    first = read_scalars(str(logdir))
+    assert first["actors/restarts"][-1][1] == 1.0 and first["learner/restarts"][-1][1] == 1.0
+    finish(start("--resume", str(logdir), "--actors", "1"))
     found = audit(logdir)
-    assert [s for s, _ in found["scalars"]["learner/loss"]] == list(range(1, STEPS + 1))  # no step lost or repeated
+    steps = [v for _, v in found["scalars"]["learner/step"]]
+    assert steps[step - STEPS - 1:] == list(range(step, STEPS + 1)), steps  # no step lost or repeated by the resume
+
+
+def test_an_actor_and_the_replay_service_killed_are_brought_back_then_a_killed_driver_leaves_a_run_that_resume_finishes(
+        tmp_path):
+    """The actor just after version 0 is evaluated (in its constructor or its loop, at random),
+    then the replay service at a later version: each is restarted once and no step is lost. Then
+    the driver is SIGKILLed, as a lost machine would be, and --resume finishes the run: every group
+    acknowledged to an actor and not trained on is served or dropped as stale."""
+    logdir = tmp_path / "run"
+    proc = start(*RUN, "--logdir", str(logdir))
+    try:
+        seen = wait_for_line(proc, "eval v0")  # the actors are starting or generating
+        time.sleep(random.uniform(0, 4))
+        kill_part(proc, "ray::ActorPart")
+        wait_for_version(proc, logdir, random.randint(2, 3))
+        time.sleep(random.uniform(0, 2))
+        kill_part(proc, "ray::ReplayPart")
+        wait_for_scalar(proc, logdir, "replay/restarts", 1.0)  # a step trained after the replay came back
+        time.sleep(random.uniform(0, 2))
+    except BaseException:
+        kill_job(proc)
+        raise
+    out = seen + kill_job(proc)
+    assert re.search(r"actor-\d died .*restarting it \(1 of 3\)", out), out[-4000:]
+    assert re.search(r"the replay service died .*its log brings back every stored group \(1 of 3\)", out), out[-4000:]
+    first = read_scalars(str(logdir))  # what the killed driver wrote: flushed at every step
+    assert first["actors/restarts"][-1][1] == 1.0 and first["replay/restarts"][-1][1] == 1.0
+    losses = [s for s, _ in first["learner/loss"]]
+    assert losses == list(range(1, len(losses) + 1))  # every step trained while parts died
+    before = published(logdir)
+    at_kill = history(logdir / "replay-log")
+    waiting = set(at_kill["stored"]) - at_kill["consumed"]  # acknowledged to actors, not trained on
+    finish(start("--resume", str(logdir)))
+    # Drops the killed replays counted after their last report are not in TensorBoard: not compared.
+    found = audit(logdir, count_drops=False)
+    after = history(logdir / "replay-log")
+    # Served after the resume (oldest first), or dropped as too stale for the resumed versions.
+    assert waiting <= set(after["trained"]) | after["dropped"], len(waiting)
+    versions = [s for s, _ in found["scalars"]["learner/loss"]]
+    assert versions[-1] > before  # the resumed versions went on above every version published before
+    assert json.loads((logdir / "checkpoints" / f"step-{STEPS:06d}" / "meta.json").read_text())["step"] == STEPS

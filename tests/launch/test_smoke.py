@@ -26,18 +26,28 @@ def launch(*args, timeout=900):
     return run
 
 
-def test_async_run_with_six_actors_and_two_learners(tmp_path):
+def test_async_ppo_run_with_six_actors_and_two_learners(tmp_path):
+    """The quick start's six actors and two learners, with PPO (GRPO, the default, is every other
+    job's): the critic trains beside the policy on half the default batch, since PPO trains on
+    every trajectory (the critic learns from uniform-reward groups too). Then the saved adapter is
+    evaluated with launch.eval, greedy and sampled."""
     logdir = tmp_path / "async"
-    run = launch("--actors", "6", "--learners", "2", "--steps", "3", "--logdir", str(logdir))
+    run = launch("--actors", "6", "--learners", "2", "--algo", "ppo", "--steps", "3", "--learner.groups-per-step", "8",
+                 "--logdir", str(logdir))
     assert "done: 3 steps" in run.stdout
     scalars = read_scalars(str(logdir))
     for tag in REQUIRED:
         assert tag in scalars, f"{tag} missing from TensorBoard events"
     assert scalars["eval/success_rate"][0][0] == 0  # logged at version 0, before any update
-    assert [s for s, _ in scalars["learner/loss"]] == [1, 2, 3]
-    assert (logdir / "adapter" / "adapter_model.safetensors").exists()
+    for tag in ("learner/loss", "critic/value_loss", "critic/explained_variance", "critic/grad_norm",
+                "learner/clip_fraction", "learner/is_weight_mean", "learner/mismatch_kl", "learner/entropy",
+                "learner/masked_fraction"):
+        assert [s for s, _ in scalars[tag]] == [1, 2, 3], tag
+    # the critic is the learner's own: the saved adapter is the policy alone, which the actors load
+    saved_adapter = (logdir / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert b"critic" not in saved_adapter and b"value_head" not in saved_adapter
     saved = Config.from_json((logdir / "config.json").read_text())  # how the run was started
-    assert (saved.actors, saved.learners, saved.steps, saved.logdir) == (6, 2, 3, str(logdir))
+    assert (saved.actors, saved.learners, saved.algo, saved.steps, saved.logdir) == (6, 2, "ppo", 3, str(logdir))
     ev = subprocess.run([sys.executable, "-m", "launch.eval", str(logdir / "adapter"), "--episodes", "8",
                          "--seed", "7"], capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-2000:]
