@@ -5,7 +5,7 @@ dropped as stale, or still buffered at the end. Kills share runs where their che
 that die past their restarts, as the driver sees them: tests/launch/test_supervise.py.)
 
 Two runs carry every kill: an actor, a learner rank, then SIGTERM and a resume; an actor, the
-replay service, then the driver and a resume."""
+replay service, then the driver and a resume. A third kills a learner rank of a colocated run."""
 
 import json
 import os
@@ -239,3 +239,26 @@ def test_an_actor_and_the_replay_service_killed_are_brought_back_then_a_killed_d
     versions = [s for s, _ in found["scalars"]["learner/loss"]]
     assert versions[-1] > before  # the resumed versions went on above every version published before
     assert json.loads((logdir / "checkpoints" / f"step-{STEPS:06d}" / "meta.json").read_text())["step"] == STEPS
+
+
+def test_a_learner_rank_killed_in_a_colocated_run_is_brought_back_and_every_step_stays_on_policy(tmp_path):
+    """Colocated, each rank generates its share, then trains: a rank SIGKILLed at a random moment
+    (generating or training) brings the group back from its newest checkpoint, and every step,
+    before and after, is trained on groups its own version generated."""
+    logdir = tmp_path / "run"
+    proc = start(*RUN, "--colocate", "--logdir", str(logdir))
+    try:
+        wait_for_version(proc, logdir, random.randint(2, 4))
+        time.sleep(random.uniform(0, 3))
+        kill_part(proc, "ray::LearnerPart")
+    except BaseException:
+        kill_job(proc)
+        raise
+    out = finish(proc)
+    assert re.search(r"a learner rank died .*went back to its newest checkpoint \(1 of 2 restarts\)", out), \
+        out[-4000:]
+    found = audit(logdir)
+    assert found["scalars"]["learner/restarts"][-1][1] == 1.0
+    staleness = found["scalars"]["async/staleness_max"]
+    assert staleness and all(v == 0.0 for _, v in staleness), staleness
+    assert len(staleness) >= STEPS  # the steps lost with the killed group were trained again
