@@ -64,6 +64,13 @@ def kill_part(proc: subprocess.Popen, title: str) -> None:
     random.choice(found).send_signal(signal.SIGKILL)
 
 
+def kill_after(proc: subprocess.Popen, logdir: Path, versions: tuple[int, int], title: str) -> None:
+    """SIGKILL a part (as kill_part) at a random moment after a random version in `versions`."""
+    wait_for_version(proc, logdir, random.randint(*versions))
+    time.sleep(random.uniform(0, 2))
+    kill_part(proc, title)
+
+
 def kill_job(proc: subprocess.Popen) -> str:
     """SIGKILL the driver, as a lost machine would, and wait for its parts to end (Ray's workers end
     with its raylet, which ends with the driver); any still there after a minute are killed. Ray's
@@ -173,9 +180,7 @@ def test_an_actor_and_a_learner_rank_killed_are_brought_back_then_sigterm_stops_
         assert second.returncode == 2 and f"another job is running in {logdir}" in err, err[-2000:]
         time.sleep(random.uniform(0, 2))
         kill_part(proc, "ray::ActorPart")
-        wait_for_version(proc, logdir, random.randint(3, 4))
-        time.sleep(random.uniform(0, 2))
-        kill_part(proc, "ray::LearnerPart")
+        kill_after(proc, logdir, (3, 4), "ray::LearnerPart")
         wait_for_scalar(proc, logdir, "learner/restarts", 1.0)  # a step trained by the group brought back
     except BaseException:
         kill_job(proc)
@@ -212,9 +217,7 @@ def test_an_actor_and_the_replay_service_killed_are_brought_back_then_a_killed_d
         seen = wait_for_line(proc, "eval v0")  # the actors are starting or generating
         time.sleep(random.uniform(0, 4))
         kill_part(proc, "ray::ActorPart")
-        wait_for_version(proc, logdir, random.randint(2, 3))
-        time.sleep(random.uniform(0, 2))
-        kill_part(proc, "ray::ReplayPart")
+        kill_after(proc, logdir, (2, 3), "ray::ReplayPart")
         wait_for_scalar(proc, logdir, "replay/restarts", 1.0)  # a step trained after the replay came back
         time.sleep(random.uniform(0, 2))
     except BaseException:
@@ -248,9 +251,7 @@ def test_a_learner_rank_killed_in_a_colocated_run_is_brought_back_and_every_step
     logdir = tmp_path / "run"
     proc = start(*RUN, "--colocate", "--logdir", str(logdir))
     try:
-        wait_for_version(proc, logdir, random.randint(2, 4))
-        time.sleep(random.uniform(0, 3))
-        kill_part(proc, "ray::LearnerPart")
+        kill_after(proc, logdir, (2, 4), "ray::LearnerPart")
     except BaseException:
         kill_job(proc)
         raise
