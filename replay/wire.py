@@ -12,12 +12,15 @@ before it is decoded.
 
 A group travels as one blob that replay validates, stores and serves exactly as
 it arrived, without re-encoding it: a magic, a small msgpack header (ids,
-per-trajectory lengths, rewards, turns, finish reasons) and then every
-trajectory's arrays concatenated field by field as little-endian raw bytes
-(tokens, versions, log-probs: 4-byte aligned; then the mask). Encoding is one
-copy of the arrays; decoding copies nothing: the arrays are read-only views of
-the blob (a ZeroMQ frame on the learner), and the checks on their contents are
-a few vectorised passes over the whole group.
+per-trajectory lengths, rewards, turns, finish reasons, image shapes) and then
+every trajectory's arrays concatenated field by field as little-endian raw bytes
+(tokens, versions, log-probs: 4-byte aligned; then the mask), then the images'
+pixels, trajectory by trajectory and image by image, each row-major H×W×3 uint8
+(RGB). A header without image shapes (every blob written before images) means
+no images. Encoding is one copy of the arrays and pixels; decoding copies
+nothing: the arrays and images are read-only views of the blob (a ZeroMQ frame
+on the learner), and the checks on their contents are a few vectorised passes
+over the whole group (any pixel value is valid: only the shapes are checked).
 """
 
 from __future__ import annotations
@@ -41,6 +44,13 @@ MAX_FRAME = 64 << 20
 MAX_GROUP = 4096
 """Most trajectories in one group."""
 
+MAX_IMAGES = 1024
+"""Most images in one trajectory."""
+
+MAX_IMAGE_SIDE = 4096
+"""Largest height or width of an image, in pixels (the smallest is 1); a group's pixels count
+towards `MAX_FRAME` like its tokens."""
+
 FINISH_REASONS = ("terminated", "truncated", "length", "env_error")
 """terminated/truncated: as the environment said; length: the context limit; env_error: the environment failed."""
 
@@ -51,6 +61,9 @@ class WireError(ValueError):
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
+Side = Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGE_SIDE)]
+ImageShapes = Annotated[list[tuple[Side, Side]], msgspec.Meta(max_length=MAX_IMAGES)]
+"""One trajectory's images, as [height, width] each, in the order of their placeholders."""
 
 
 class GroupHeader(msgspec.Struct, frozen=True):
@@ -65,6 +78,8 @@ class GroupHeader(msgspec.Struct, frozen=True):
     finish: Annotated[list[Annotated[str, msgspec.Meta(max_length=16)]], msgspec.Meta(max_length=MAX_GROUP)]
     actor: str = ""
     meta: Annotated[dict[str, float], msgspec.Meta(max_length=256)] = {}
+    images: Annotated[list[ImageShapes], msgspec.Meta(max_length=MAX_GROUP)] = []
+    """Per trajectory, its images' shapes; empty (or absent) when no trajectory has images."""
 
 
 _GROUP_HEADER = msgspec.msgpack.Decoder(GroupHeader)
@@ -81,6 +96,9 @@ class Trajectory:
     reward: float
     turns: int
     finish_reason: str
+    images: list = field(default_factory=list)
+    """The episode's images in the order their placeholder tokens appear in `tokens`: each a
+    uint8 array [H, W, 3] (RGB)."""
 
     @property
     def version(self) -> int:
@@ -234,12 +252,16 @@ def _payload_start(header_len: int) -> int:
 
 
 def group_blob(header: dict[str, Any], n_tokens: int, fill=None, alloc=None) -> bytearray | memoryview:
-    """A group blob: the prefix, the msgpack `header`, and room for `n_tokens` tokens' arrays,
-    filled by `fill(payload_view)` (or zeros). `encode_group` is the usual way to make one.
-    `alloc(size)` may supply the memory (a writable buffer, or None for a new bytearray)."""
+    """A group blob: the prefix, the msgpack `header`, and room for `n_tokens` tokens' arrays and
+    the pixels of the images whose shapes `header["images"]` lists, filled by
+    `fill(payload_view)` (or zeros). `encode_group` is the usual way to make one.
+    `alloc(size)` may supply the memory (a writable buffer, or None for a new bytearray).
+    WireError if the blob would exceed the frame cap."""
     head = msgpack.packb(header, use_bin_type=True)
     start = _payload_start(len(head))
-    size = start + _BYTES_PER_TOKEN * n_tokens
+    size = start + _BYTES_PER_TOKEN * n_tokens + _pixel_bytes(header.get("images", ()))
+    if size > MAX_FRAME:
+        raise WireError(f"group of {size} bytes (tokens and images) exceeds the {MAX_FRAME}-byte cap")
     out = alloc(size) if alloc is not None else None
     if out is None:
         out = bytearray(size)
@@ -250,6 +272,41 @@ def group_blob(header: dict[str, Any], n_tokens: int, fill=None, alloc=None) -> 
     out[_PREFIX.size + len(head):start] = bytes(start - _PREFIX.size - len(head))
     if fill is not None:
         fill(memoryview(out)[start:])
+    return out
+
+
+def _pixel_bytes(shapes) -> int:
+    """Bytes of the images of per-trajectory [h, w] lists (H×W×3 uint8 each)."""
+    return 3 * sum(h * w for traj in shapes for h, w in traj)
+
+
+def _image_shapes(t: Trajectory, i: int) -> list[tuple[int, int]]:
+    """[(h, w), ...] of trajectory `i`'s images; WireError unless each is a uint8 array
+    [H, W, 3] within the bounds."""
+    if len(t.images) > MAX_IMAGES:
+        raise WireError(f"group: trajectory {i} has {len(t.images)} images, more than {MAX_IMAGES}")
+    shapes = []
+    for j, image in enumerate(t.images):
+        if not (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3
+                and image.shape[2] == 3):
+            got = f"{image.dtype} array {image.shape}" if isinstance(image, np.ndarray) else type(image).__name__
+            raise WireError(f"group: trajectory {i}'s image {j} must be a uint8 array [H, W, 3] (RGB), got {got}")
+        h, w = image.shape[:2]
+        if not (1 <= h <= MAX_IMAGE_SIDE and 1 <= w <= MAX_IMAGE_SIDE):
+            raise WireError(f"group: trajectory {i}'s image {j} is {h}×{w}; each side must be 1 to {MAX_IMAGE_SIDE}")
+        shapes.append((int(h), int(w)))
+    return shapes
+
+
+def _images(payload: memoryview, offset: int, shapes) -> list[list[np.ndarray]]:
+    """Each trajectory's images: read-only [h, w, 3] views of `payload`, the first at `offset`."""
+    out = []
+    for traj in shapes:
+        views = []
+        for h, w in traj:
+            views.append(np.frombuffer(payload, np.uint8, count=h * w * 3, offset=offset).reshape(h, w, 3))
+            offset += h * w * 3
+        out.append(views)
     return out
 
 
@@ -276,13 +333,18 @@ def _group_frame(blob: Any) -> tuple[memoryview, memoryview]:
 
 def encode_group(group: Group, alloc=None) -> bytearray | memoryview:
     """A group as one blob: what `push` carries and replay stores and serves unchanged.
-    `alloc(size)` may supply the memory (an actor's shared-memory arena, replay/arena.py)."""
+    `alloc(size)` may supply the memory (an actor's shared-memory arena, replay/arena.py).
+    WireError for an image that is not a uint8 array [H, W, 3] within the bounds, or a blob
+    over the frame cap."""
     trajs = group.trajectories
     lens = [int(np.shape(t.tokens)[0]) for t in trajs]
+    shapes = [_image_shapes(t, i) for i, t in enumerate(trajs)]
     header = {"v": SCHEMA, "group_id": group.group_id, "task": group.task, "actor": group.actor,
               "meta": {k: float(v) for k, v in group.meta.items()}, "lens": lens,
               "rewards": [float(t.reward) for t in trajs], "turns": [int(t.turns) for t in trajs],
               "finish": [t.finish_reason for t in trajs]}
+    if any(shapes):  # a group without images is written as before images existed
+        header["images"] = shapes
     n = sum(lens)
 
     def fill(payload: memoryview) -> None:
@@ -294,6 +356,9 @@ def encode_group(group: Group, alloc=None) -> bytearray | memoryview:
                 dst[pos:pos + length] = getattr(t, name)
                 pos += length
             offset += n * dst.itemsize
+        for t, views in zip(trajs, _images(payload, offset, shapes)):
+            for dst, image in zip(views, t.images):
+                dst[...] = image  # a writable view here: the payload is ours to fill
 
     return group_blob(header, n, fill, alloc)
 
@@ -311,8 +376,8 @@ def decode_group(blob: Any, checked: bool = False) -> Group:
 
 
 def read_group(blob: Any, trajectories: bool = True) -> Group:
-    """Decode a group blob, checking its header and every length (cheap: no pass over the
-    arrays); `check_group` does the rest. `trajectories=False` leaves the trajectory list empty
+    """Decode a group blob, checking its header and every length and image shape (cheap: no
+    pass over the arrays or pixels); `check_group` does the rest. `trajectories=False` leaves the trajectory list empty
     and takes the rewards from the header: the replay server needs only the id, actor, rewards,
     arrays and version, not one object per trajectory."""
     if not isinstance(blob, (bytes, bytearray, memoryview)) and not hasattr(blob, "buffer"):
@@ -335,17 +400,22 @@ def read_group(blob: Any, trajectories: bool = True) -> Group:
         raise WireError(f"{what}: rewards must be finite")
     if not set(finish) <= set(FINISH_REASONS):
         raise WireError(f"{what}: unknown finish reason")
+    shapes = header.images or [[] for _ in lens]
+    if len(shapes) != len(lens):
+        raise WireError(f"group: 'images' has {len(shapes)} entries for {len(lens)} trajectories")
     n = sum(lens)
-    if len(payload) != _BYTES_PER_TOKEN * n:
-        raise WireError(f"{what}: payload length does not match the trajectory lengths")
+    if len(payload) != _BYTES_PER_TOKEN * n + _pixel_bytes(shapes):
+        raise WireError(f"{what}: payload length does not match the trajectory lengths and image shapes")
     arrays, offset = {}, 0
     for name, dtype in _FIELDS:
         arrays[name] = np.frombuffer(payload, dtype=dtype, count=n, offset=offset)
         offset += n * arrays[name].itemsize
     tokens, versions, logprobs, mask = (arrays[k] for k in ("tokens", "versions", "logprobs", "mask"))
     starts = [0, *itertools.accumulate(lens[:-1])]
-    trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f)
-             for s, k, r, t, f in zip(starts, lens, rewards, turns, finish)] if trajectories else []
+    trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f, images)
+             for s, k, r, t, f, images in zip(starts, lens, rewards, turns, finish,
+                                               _images(payload, _BYTES_PER_TOKEN * n, shapes))
+             ] if trajectories else []
     return Group(gid, header.task[:256], trajs, actor=header.actor[:128],
                  meta=dict(header.meta), _arrays=(tokens, versions, logprobs, mask, starts),
                  _rewards=None if trajectories else np.array(rewards, dtype=np.float32))

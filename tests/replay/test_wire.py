@@ -4,9 +4,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from replay.wire import WireError, decode_group, encode_group, group_blob, group_parts, pack, unpack
+from replay.wire import (MAX_IMAGE_SIDE, MAX_IMAGES, WireError, decode_group, encode_group, group_blob,
+                         group_parts, pack, unpack)
 
-from tests.replay.helpers import make_group
+from tests.replay.helpers import IMAGE_SHAPES, assert_same_images, bad_image_blobs, frame, make_group, make_image_group
 
 
 def test_group_round_trip_is_exact():
@@ -35,6 +36,76 @@ def test_decoded_arrays_are_views_of_the_blob():
     back = decode_group(memoryview(blob))
     assert not back.trajectories[0].tokens.flags.writeable
     assert np.shares_memory(back.trajectories[0].tokens, np.frombuffer(blob, np.uint8))
+
+
+def test_a_multi_turn_image_group_round_trips_exactly_as_views_of_the_blob():
+    g = make_image_group(seed=4)
+    blob = encode_group(g)
+    header, payload = group_parts(blob)
+    assert header["images"] == [[list(s) for s in shapes] for shapes in IMAGE_SHAPES]
+    n = sum(len(t.tokens) for t in g.trajectories)
+    pixels = b"".join(image.tobytes() for t in g.trajectories for image in t.images)
+    assert bytes(payload[13 * n:]) == pixels  # after the token arrays, row-major H×W×3, in order
+    back = decode_group(memoryview(blob))
+    assert_same_images(g, back)
+    assert [len(t.images) for t in back.trajectories] == [3, 0, 1, 2]
+    assert all(np.shares_memory(image, np.frombuffer(blob, np.uint8)) for image in back.trajectories[0].images)
+    for a, b in zip(g.trajectories, back.trajectories):
+        for f in ("tokens", "logprobs", "mask", "versions"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+    assert bytes(encode_group(back)) == bytes(blob)
+
+
+def test_a_group_without_images_is_the_blob_it_was_before_images():
+    """No image shapes in the header, the token arrays alone in the payload: blobs written before
+    images existed decode exactly as they did, and text groups are still written that way."""
+    g = make_group(seed=5)
+    header = {"v": 1, "group_id": g.group_id, "task": g.task, "actor": g.actor, "meta": {},
+              "lens": [40] * 4, "rewards": [t.reward for t in g.trajectories], "turns": [3] * 4,
+              "finish": ["terminated"] * 4}
+    payload = b"".join(np.concatenate([getattr(t, f) for t in g.trajectories]).tobytes()
+                       for f in ("tokens", "versions", "logprobs", "mask"))
+    old = frame(header, payload)
+    assert bytes(encode_group(g)) == old
+    back = decode_group(old)
+    assert all(t.images == [] for t in back.trajectories) and back.version == g.version
+    for a, b in zip(g.trajectories, back.trajectories):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert decode_group(frame({**header, "images": [[], [], [], []]}, payload)).trajectories[0].images == []
+
+
+@pytest.mark.parametrize("image, message", [
+    (np.zeros((4, 4, 3), np.float32), "uint8 array"),
+    (np.zeros((4, 4), np.uint8), "uint8 array"),
+    (np.zeros((4, 4, 4), np.uint8), "uint8 array"),
+    (np.zeros((4, 4, 3), np.int64), "uint8 array"),
+    ([[[0, 0, 0]]], "got list"),
+    (np.zeros((0, 4, 3), np.uint8), "each side must be 1 to"),
+    (np.zeros((1, MAX_IMAGE_SIDE + 1, 3), np.uint8), "each side must be 1 to"),
+])
+def test_encoding_refuses_an_image_that_is_not_uint8_rgb_within_the_bounds(image, message):
+    g = make_image_group()
+    g.trajectories[3].images.insert(1, image)
+    with pytest.raises(WireError, match=f"trajectory 3's image 1 .*{message}"):
+        encode_group(g)
+
+
+def test_encoding_refuses_too_many_images_and_a_group_over_the_frame_cap():
+    g = make_image_group()
+    g.trajectories[1].images = [np.zeros((1, 1, 3), np.uint8)] * (MAX_IMAGES + 1)
+    with pytest.raises(WireError, match=f"trajectory 1 has {MAX_IMAGES + 1} images"):
+        encode_group(g)
+    side = MAX_IMAGE_SIDE
+    g.trajectories[1].images = [np.zeros((side, side, 3), np.uint8)] * 2  # 96 MiB of pixels
+    with pytest.raises(WireError, match="exceeds the"):
+        encode_group(g, alloc=lambda n: pytest.fail("allocated a blob over the cap"))
+
+
+@pytest.mark.parametrize("case", range(len(bad_image_blobs())))
+def test_malformed_image_groups_are_rejected(case):
+    blob, message = bad_image_blobs()[case]
+    with pytest.raises(WireError, match=message):
+        decode_group(blob)
 
 
 def corrupt(mutate_header=None, mutate_payload=None) -> bytes:
