@@ -376,10 +376,11 @@ def decode_group(blob: Any, checked: bool = False) -> Group:
 
 
 def read_group(blob: Any, trajectories: bool = True) -> Group:
-    """Decode a group blob, checking its header and every length and image shape (cheap: no
-    pass over the arrays or pixels); `check_group` does the rest. `trajectories=False` leaves the trajectory list empty
-    and takes the rewards from the header: the replay server needs only the id, actor, rewards,
-    arrays and version, not one object per trajectory."""
+    """Decode a group blob, checking its header, every length and every image shape (cheap: no
+    pass over the arrays or pixels); `check_group` does the rest. `trajectories=False` leaves
+    the trajectory list empty and takes the rewards from the header: the replay server needs
+    only the id, actor, rewards, arrays and version, not one object per trajectory (nor its
+    images)."""
     if not isinstance(blob, (bytes, bytearray, memoryview)) and not hasattr(blob, "buffer"):
         raise WireError("group: expected a group blob")
     head, payload = _group_frame(getattr(blob, "buffer", blob))

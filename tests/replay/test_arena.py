@@ -13,7 +13,7 @@ from replay.buffer import ReplayBuffer
 from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
 from replay.wire import WireError, encode_group, pack_parts, unpack_parts
-from tests.replay.helpers import make_group
+from tests.replay.helpers import assert_same_images, make_group, make_image_group
 
 KEY = bytes(range(32))
 
@@ -69,6 +69,52 @@ def test_groups_go_through_the_arena_arrive_intact_and_extents_are_reused(arenas
         assert not list(arenas.glob("tandem-arena-*"))  # closing removes the file
     finally:
         srv.stop()
+
+
+def test_groups_with_images_go_through_the_arena_and_the_learner_reads_them_in_place(arenas):
+    srv = serve(arenas, arenas)
+    try:
+        actor, learner = pair(srv, arenas)
+        assert actor._shared
+        groups = [make_image_group(seed=i, actor="actor-0") for i in range(2)]
+        for g in groups:
+            actor.send(g)
+        actor.flush(10)
+        got = learner.sample(0, 0, 0, timeout=10)
+        by_id = {g.group_id: g for g in groups}
+        assert sorted(by_id) == sorted(g.group_id for g in got)
+        for g in got:
+            assert same(g, by_id[g.group_id])
+            assert_same_images(by_id[g.group_id], g)
+        assert learner.stats()["received_shared"] == 2
+        arena = np.frombuffer(learner._reader.open(actor._arena.name), np.uint8)
+        assert np.shares_memory(got[0].trajectories[0].images[0], arena)  # no copy on the way
+        learner.ack(0, 0)
+        assert actor._arena.held == 0
+    finally:
+        srv.stop()
+
+
+def test_the_arena_path_holds_an_image_groups_pixels_and_sends_one_too_big_as_bytes(arenas):
+    from replay.transport import ArenaPath
+    from replay.wire import decode_group
+
+    path = ArenaPath(1 << 20, str(arenas), "host")
+    path.offer()
+    path.accepted(True)
+    try:
+        g = make_image_group()
+        blob = bytes(encode_group(g))
+        ref = path.item(g, set)
+        assert isinstance(ref, list) and ref[2] == len(blob)  # the extent is sized with the pixels
+        assert bytes(path.arena.view(ref[1], ref[2])) == blob
+        assert path.as_bytes(ref) == blob and path.arena.held == 0
+        big = make_image_group(shapes=[[(600, 600)]])  # ~1 MiB of pixels: more than the arena holds
+        item = path.item(big, set)
+        assert not isinstance(item, list) and path.arena.held == 0
+        assert_same_images(big, decode_group(item))
+    finally:
+        path.close()
 
 
 def test_a_full_arena_sends_bytes_and_nothing_is_lost(arenas):

@@ -12,7 +12,7 @@ import pytest
 from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.log import ReplayLog
 from replay.wire import encode_group
-from tests.replay.helpers import KEY, free_port, make_group, start_replay
+from tests.replay.helpers import KEY, assert_same_images, free_port, make_group, make_image_group, start_replay
 
 
 @pytest.mark.parametrize("path", ["shared memory", "socket"])
@@ -46,6 +46,44 @@ def test_sigkill_and_restart_loses_nothing_and_serves_nothing_twice(tmp_path, pa
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("path", ["shared memory", "socket"])
+def test_a_replay_restarted_on_its_log_serves_the_same_images(tmp_path, path):
+    from replay.log import groups as logged
+
+    port, log_dir = free_port(), tmp_path / "log"
+    proc = start_replay(port, log_dir)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    actor = ZmqActorReplay(endpoint, actor="actor-0", key=KEY, timeout=5,
+                           arena_bytes=(1 << 20) if path == "shared memory" else 0)
+    actor.hello()
+    assert actor._shared == (path == "shared memory")
+    groups = [make_image_group(seed=i) for i in range(4)]
+    assert [actor.push(g) for g in groups] == ["stored"] * 4
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    sent = {g.group_id: g for g in groups}
+    on_log = list(logged(log_dir))  # the blobs as they arrived, images and all
+    assert [g.group_id for g in on_log] == list(sent)
+    for g in on_log:
+        assert_same_images(sent[g.group_id], g)
+
+    proc = start_replay(port, log_dir)
+    try:
+        learner = ZmqLearnerReplay(endpoint, key=KEY, timeout=5, arena_bytes=0)
+        served = []
+        for step in range(2):
+            served += learner.sample(step, 0, step, timeout=10)
+            learner.ack(step, 0)
+        assert sorted(g.group_id for g in served) == sorted(sent)
+        for g in served:
+            assert_same_images(sent[g.group_id], g)
+            assert bytes(encode_group(g)) == bytes(encode_group(sent[g.group_id]))
+    finally:
+        proc.kill()
+        proc.wait()
+        actor.close()
 
 
 def test_a_waiting_learner_and_a_pushing_actor_ride_through_a_restart(tmp_path):

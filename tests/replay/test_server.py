@@ -1,5 +1,6 @@
 """The replay service over real ZeroMQ sockets."""
 
+import re
 import threading
 
 import numpy as np
@@ -11,7 +12,7 @@ from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
 from replay.wire import WireError
 
-from tests.replay.helpers import make_group
+from tests.replay.helpers import assert_same_images, bad_image_blobs, make_group, make_image_group
 
 
 @pytest.fixture
@@ -118,6 +119,44 @@ def test_malformed_frames_get_errors_and_the_server_keeps_serving(server):
     assert client.stats()["malformed_frames"] == len(bad)
     with pytest.raises(WireError, match="rank"):
         ZmqLearnerReplay(server.endpoint).sample(step=0, rank=5, version=0, timeout=5)
+
+
+def test_groups_with_images_reach_the_learner_byte_identical(server):
+    from replay.wire import encode_group
+
+    actor = ZmqActorReplay(server.endpoint, actor="a", arena_bytes=0)  # on the socket
+    groups = [make_image_group(seed=i, actor="a") for i in range(4)]
+    assert [actor.push(g) for g in groups] == ["stored"] * 4
+    learner = ZmqLearnerReplay(server.endpoint, arena_bytes=0)
+    served = learner.sample(0, 0, 0, timeout=10) + learner.sample(0, 1, 0, timeout=10)
+    sent = {g.group_id: g for g in groups}
+    assert sorted(g.group_id for g in served) == sorted(sent)
+    for g in served:
+        assert_same_images(sent[g.group_id], g)
+        assert bytes(encode_group(g)) == bytes(encode_group(sent[g.group_id]))
+
+
+def test_malformed_image_groups_are_refused_and_the_server_keeps_serving(server):
+    from replay.wire import pack_parts, unpack_parts
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    bad = bad_image_blobs()
+    for i, (blob, message) in enumerate(bad):
+        sock.send_multipart(pack_parts("push", [blob], id=i))
+        assert sock.poll(5000)
+        reply = unpack_parts(sock.recv_multipart())[0]
+        assert reply["type"] == "error" and reply["id"] == i and re.search(message, reply["reason"]), reply
+    sock.close(0)
+    actor = ZmqActorReplay(server.endpoint, actor="a", arena_bytes=0)
+    groups = [make_image_group(seed=i, actor="a") for i in range(4)]
+    assert [actor.push(g) for g in groups] == ["stored"] * 4
+    assert actor.stats()["malformed_frames"] == len(bad)
+    learner = ZmqLearnerReplay(server.endpoint, arena_bytes=0)
+    served = {g.group_id: g for g in learner.sample(0, 0, 0, timeout=10) + learner.sample(0, 1, 0, timeout=10)}
+    for g in groups:
+        assert_same_images(g, served[g.group_id])
 
 
 def test_credits_asked_for_together_come_in_one_request_and_bad_counts_are_refused(server):
