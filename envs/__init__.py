@@ -13,6 +13,7 @@ from envs.base import Messages, TextEnv
 
 ENVS = {
     "maze": "envs.maze:MazeEnv",
+    "image-maze": "envs.image_maze:ImageMazeEnv",
     "countdown": "envs.countdown:CountdownEnv",
     "sql": "envs.sql:SqlEnv",
     "calculator": "envs.calculator:CalculatorEnv",

@@ -1,4 +1,4 @@
-"""The text-environment contract.
+"""The environment contract: chat messages of text and images.
 
 An environment speaks chat messages, never tokens: `reset` returns the opening
 messages, `step` takes the model's raw text and returns the messages to append.
@@ -7,10 +7,17 @@ wasted move with an observation that says so, never an exception, because model
 output is untrusted input.
 
 Observations are tuples of `{"role", "content"}` dicts (Gymnasium's `Sequence`
-space holds tuples) whose content is any text without control characters, at
-most `MAX_TEXT` characters: the base class enforces both, so
-`gymnasium.utils.env_checker.check_env` passes for every subclass and an
-environment cannot flood the context by accident.
+space holds tuples). Content is either text without control characters, at most
+`MAX_TEXT` characters, or a tuple of parts in the Hugging Face chat-template
+format, `{"type": "text", "text": str}` and `{"type": "image", "image": array}`,
+whose texts together hold at most `MAX_TEXT` characters. There is one image type:
+a numpy uint8 array of shape (H, W, 3), RGB, 1 <= H, W <= `MAX_IMAGE_SIDE`, at
+most `MAX_IMAGES` of them per message; `messages` copies each into a read-only
+C-contiguous array, so later changes by the environment cannot reach a recorded
+episode. One type, checked here, keeps every engine and the wire free of format
+guessing; anything else is refused with what to pass instead. The base class
+enforces all of it, so `gymnasium.utils.env_checker.check_env` passes for every
+subclass and an environment cannot flood the context by accident.
 """
 
 from __future__ import annotations
@@ -23,12 +30,23 @@ import numpy as np
 
 T = TypeVar("T")
 
-Messages = tuple[dict[str, str], ...]
+Part = dict[str, Any]
+"""`{"type": "text", "text": str}` or `{"type": "image", "image": np.ndarray}`."""
+Content = str | tuple[Part, ...]
+Messages = tuple[dict[str, Content], ...]
 
 # Observations and actions are free text; the spaces bound their length so that
 # gymnasium's checker and users can see what an environment accepts.
 MAX_TEXT = 4096
 _TRUNCATED = "\n[truncated]"
+
+MAX_IMAGES = 8
+"""Images in one message at most."""
+MAX_IMAGE_SIDE = 1024
+"""Pixels on an image's longer side at most."""
+
+_IMAGE = "a numpy uint8 array of shape (H, W, 3), RGB"
+_PARTS = "{'type': 'text', 'text': str} or {'type': 'image', 'image': np.ndarray}"
 
 
 def _control(c: str) -> bool:
@@ -60,16 +78,134 @@ def clean_text(text: str, limit: int = MAX_TEXT) -> str:
     return text if len(text) <= limit else text[: limit - len(_TRUNCATED)] + _TRUNCATED
 
 
+def _image_error(x: Any) -> Exception | None:
+    """What is wrong with `x` as an image, as the exception to raise, or None."""
+    if not isinstance(x, np.ndarray):
+        kind = "a PIL image" if hasattr(x, "convert") and hasattr(x, "mode") else type(x).__name__
+        return TypeError(f"an image must be {_IMAGE}, got {kind}: convert a PIL image with "
+                         "np.asarray(img.convert('RGB')), other pixel data with np.asarray(x, np.uint8)")
+    if x.dtype != np.uint8:
+        return TypeError(f"an image must be {_IMAGE}, got dtype {x.dtype}: pass values 0-255 as "
+                         "np.clip(x, 0, 255).astype(np.uint8) (floats in [0, 1] times 255 first)")
+    if x.ndim != 3 or x.shape[2] != 3:
+        return ValueError(f"an image must be {_IMAGE}, got shape {x.shape}: grey (H, W) as "
+                          "np.repeat(x[..., None], 3, axis=2), RGBA (H, W, 4) as x[..., :3], "
+                          "channels first (3, H, W) as x.transpose(1, 2, 0)")
+    if min(x.shape[:2]) < 1:
+        return ValueError(f"an image must have at least one pixel on each side, got shape {x.shape}")
+    if max(x.shape[:2]) > MAX_IMAGE_SIDE:
+        return ValueError(f"an image is at most MAX_IMAGE_SIDE = {MAX_IMAGE_SIDE} pixels a side, got "
+                          f"shape {x.shape}: downscale it")
+    return None
+
+
+def _parts(content: list | tuple, copy: bool, limit: int = MAX_TEXT) -> tuple[Part, ...]:
+    """`content` as a tuple of valid parts: texts cleaned and together at most `limit`
+    characters, images checked and, with `copy`, copied read-only. TypeError or ValueError
+    says what is wrong."""
+    out: list[Part] = []
+    budget, images = limit, 0
+    for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise TypeError(f"content part {i} must be a dict, {_PARTS}; got {type(part).__name__}")
+        kind = part.get("type")
+        if not isinstance(kind, str) or kind not in ("text", "image"):
+            raise ValueError(f"content part {i} has type {kind!r}: a part is {_PARTS}")
+        if part.keys() != {"type", kind}:
+            raise ValueError(f"content part {i} must have exactly the keys 'type' and {kind!r}, got "
+                             f"{list(part)}: a part is {_PARTS}")
+        if kind == "text":
+            if not isinstance(part["text"], str):
+                raise TypeError(f"content part {i}: 'text' must be a str, got {type(part['text']).__name__}")
+            text = clean_text(part["text"], max(budget, len(_TRUNCATED)))[:budget]
+            budget -= len(text)
+            out.append({"type": "text", "text": text})
+            continue
+        images += 1
+        if images > MAX_IMAGES:
+            raise ValueError(f"a message holds at most MAX_IMAGES = {MAX_IMAGES} images, part {i} is image "
+                             f"{images}: spread them over several messages")
+        if (error := _image_error(part["image"])) is not None:
+            raise type(error)(f"content part {i}: {error}")
+        image = part["image"]
+        if copy:
+            image = np.array(image, order="C")
+            image.flags.writeable = False
+        out.append({"type": "image", "image": image})
+    return tuple(out)
+
+
+class ContentSpace(gym.Space):
+    """A message's content: text as in `TextSpace`, or a tuple of text and image parts as
+    `messages` makes them (see the module docstring). Samples are text only."""
+
+    def __init__(self, max_length: int = MAX_TEXT) -> None:
+        super().__init__()
+        self.text = TextSpace(max_length)
+
+    @property
+    def is_np_flattenable(self) -> bool:
+        return False
+
+    def seed(self, seed: int | None = None) -> int:
+        return self.text.seed(seed)
+
+    def sample(self, mask: Any = None, probability: Any = None) -> str:
+        return self.text.sample(mask, probability)
+
+    def contains(self, x: Any) -> bool:
+        if isinstance(x, str):
+            return self.text.contains(x)
+        if not isinstance(x, tuple):
+            return False
+        try:
+            parts = _parts(x, copy=False, limit=self.text.max_length)
+        except (TypeError, ValueError):
+            return False
+        return all(p["type"] == "image" or p["text"] == q["text"] for p, q in zip(parts, x))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ContentSpace) and self.text == other.text
+
+    def __repr__(self) -> str:
+        return f"ContentSpace(max_length={self.text.max_length}, max_images={MAX_IMAGES})"
+
+
+def content_text(content: Content) -> str:
+    """The text of a message's content: the string, or its text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p["text"] for p in content if p["type"] == "text")
+
+
+def content_images(content: Content) -> list[np.ndarray]:
+    """The images of a message's content, in order (none for a string)."""
+    if isinstance(content, str):
+        return []
+    return [p["image"] for p in content if p["type"] == "image"]
+
+
 def messages(content: str | list | tuple) -> Messages:
-    """A string (one user message) or a list of chat messages as a valid observation."""
+    """A string (one user message) or a list of chat messages as a valid observation. A message's
+    content is a string or a list of parts (see the module docstring); anything else is a
+    TypeError or ValueError that says what to pass instead."""
     if isinstance(content, str):
         content = [{"role": "user", "content": content}]
     out = []
     for m in content:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise TypeError(f"an observation message must be a dict with a 'content' string, got {m!r}")
-        role = str(m.get("role", "user"))
-        out.append({"role": clean_text(role, 16), "content": clean_text(m["content"])})
+        if not isinstance(m, dict) or "content" not in m:
+            hint = (": wrap content parts in a message, [{'role': 'user', 'content': parts}]"
+                    if isinstance(m, dict) and "type" in m else "")
+            raise TypeError(f"an observation message must be a dict with a 'content', got {m!r:.200}{hint}")
+        body = m["content"]
+        if isinstance(body, str):
+            body = clean_text(body)
+        elif isinstance(body, (list, tuple)):
+            body = _parts(body, copy=True)
+        else:
+            raise TypeError(f"a message's content must be a str or a list of parts, {_PARTS}; "
+                            f"got {type(body).__name__}")
+        out.append({"role": clean_text(str(m.get("role", "user")), 16), "content": body})
     return tuple(out)
 
 
@@ -101,7 +237,8 @@ class TextEnv(gym.Env):
 
     Subclasses implement `_reset(options) -> (observation, info)` and
     `_step(text) -> (observation, reward, terminated, truncated, info)`, where an
-    observation is a string (one user message) or a list of chat messages. Draw
+    observation is a string (one user message) or a list of chat messages, each
+    message's content a string or a list of text and image parts. Draw
     randomness from `self.np_random`, which `reset(seed=...)` seeds, so that a
     seed alone decides the task. This base turns observations into the space's
     form and caps the action's length.
@@ -113,7 +250,7 @@ class TextEnv(gym.Env):
     """Longer model output is cut to this many characters before `_step` sees it."""
 
     def __init__(self) -> None:
-        message = gym.spaces.Dict({"role": text_space(16), "content": text_space()})
+        message = gym.spaces.Dict({"role": text_space(16), "content": ContentSpace()})
         self.observation_space = gym.spaces.Sequence(message)
         self.action_space = text_space()
 

@@ -220,13 +220,18 @@ class MazeEnv(TextEnv):
         sizes = [s for start, s in self.curriculum if start <= version]
         return sizes[-1] if sizes else self.size
 
-    def _observe(self, status: str) -> str:
+    def _hints(self) -> str:
+        """The goal, open and new lines (see the module docstring)."""
         assert self.maze is not None
         targets = {m: (self.pos[0] + dr, self.pos[1] + dc) for m, (dr, dc) in MOVES.items()}
         open_moves = [m for m, cell in targets.items() if self.maze.open(*cell)]
         new_moves = [m for m in open_moves if targets[m] not in self.visited]
-        return (f"{status}\ngoal: {goal_offset(self.pos, self.maze.goal)}\nopen: {' '.join(open_moves) or 'none'}\n"
-                f"new: {' '.join(new_moves) or 'none'}\n{self.maze.render(self.pos)}")
+        return (f"goal: {goal_offset(self.pos, self.maze.goal)}\nopen: {' '.join(open_moves) or 'none'}\n"
+                f"new: {' '.join(new_moves) or 'none'}")
+
+    def _observe(self, status: str) -> str:
+        assert self.maze is not None
+        return f"{status}\n{self._hints()}\n{self.maze.render(self.pos)}"
 
     def _step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.maze is None:
