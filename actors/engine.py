@@ -88,12 +88,14 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  sessions: list[Hashable] | None = None,
-                 seeds: list[int | None] | None = None) -> list[Completion]:
+                 seeds: list[int | None] | None = None,
+                 images: list[list] | None = None) -> list[Completion]:
         """Sample one completion per prompt. `sessions` names the episode of each prompt so
         an engine may reuse work across turns; prompts of a session only ever grow. `seeds`
         gives each prompt's request seed: its completion is then a function of (engine seed,
         request seed, prompt, weights) whatever else is in the batch; None (for all, or for
-        one prompt) draws from the engine's generator, which the batch shares."""
+        one prompt) draws from the engine's generator, which the batch shares. `images`: each
+        prompt's images (uint8 H×W×3), in the order of their expanded tokens in the prompt."""
         ...
 
     def load_adapter(self, version: int, tensors: dict) -> None:
@@ -122,9 +124,10 @@ class RequestEngine(Protocol):
     """Version of the newest adapter applied (0 = none yet)."""
 
     def submit(self, key: Hashable, prompt: list[int], params: SamplingParams,
-               seed: int | None = None) -> None:
+               seed: int | None = None, images: list | None = None) -> None:
         """Start sampling one completion of `prompt`; `collect` returns it under `key`. With a
-        `seed`, the completion depends on (engine seed, seed), not on the requests beside it."""
+        `seed`, the completion depends on (engine seed, seed), not on the requests beside it.
+        `images`: the prompt's images, in the order of their expanded tokens."""
         ...
 
     def collect(self, timeout: float = 0.0) -> list[tuple[Hashable, Completion]]:

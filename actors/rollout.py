@@ -9,8 +9,9 @@ its observation is ready and steps each environment the moment its completion
 is back, so nothing waits for the rest of the batch. What the learner needs is
 recorded as it happens: token ids, the behaviour log-prob of every sampled token,
 the loss mask (1 on model tokens, 0 on prompt and observation tokens) and the
-policy version that produced each model token. The learner trains on exactly
-these tokens; nothing is re-tokenised. A turn cut by `max_new_tokens` is closed
+policy version that produced each model token, and the episode's images (in the
+order of their tokens, which the chat expands: image tokens have mask 0). The
+learner trains on exactly these tokens and images; nothing is re-tokenised. A turn cut by `max_new_tokens` is closed
 with the template's end-of-turn token (mask 0) before its observation.
 
 `between_turns` is called before every turn: the actor uses it to apply a newer
@@ -41,6 +42,7 @@ import numpy as np
 from actors.engine import Engine, RequestEngine, SamplingParams, stream_seed
 from actors.envrunner import EnvRunner
 from envs.base import TextEnv
+from policy.chat import message_images
 from replay.wire import Trajectory
 
 _ids = itertools.count()
@@ -60,6 +62,8 @@ class Episode:
     error: str = ""
     version: int = 0
     """Policy version of the latest model turn (observations are stamped with it)."""
+    images: list = field(default_factory=list)
+    """The episode's images so far (uint8 H×W×3), in the order of their tokens."""
     sampling_seed: int | None = None
     """The episode's own random stream: turn k is requested with seed (sampling_seed, k). None:
     the engine's shared generator, so the episode's tokens depend on its batch companions."""
@@ -92,7 +96,8 @@ class Episode:
         mask = np.zeros(len(self.mask), np.uint8) if self.finish_reason == "env_error" else self.mask
         return Trajectory(tokens=np.asarray(self.tokens, np.int32), logprobs=np.asarray(self.logprobs, np.float32),
                           mask=np.asarray(mask, np.uint8), versions=np.asarray(self.versions, np.int32),
-                          reward=self.reward, turns=self.turns, finish_reason=self.finish_reason)
+                          reward=self.reward, turns=self.turns, finish_reason=self.finish_reason,
+                          images=list(self.images))
 
 
 def start(env: TextEnv, chat, runner: EnvRunner, seed: int | None = None,
@@ -136,8 +141,10 @@ def turn(engine: Engine, chat, episodes: list[Episode], params: SamplingParams, 
     _apply(runner.collect(0.0), by_session, chat, params, max_tokens)
     ready = [e for e in episodes if e.finish_reason is None and not e.busy]
     if ready:
+        # images only when some episode has any: a text engine needs no images argument
+        pictures = {"images": [e.images for e in ready]} if any(e.images for e in ready) else {}
         outs = engine.generate([e.tokens for e in ready], params, sessions=[e.session for e in ready],
-                               seeds=[e.request_seed() for e in ready])
+                               seeds=[e.request_seed() for e in ready], **pictures)
         for ep, out in zip(ready, outs):
             _generated(ep, out, engine.version, chat, runner)
         # Fast environments answer within the grace period and keep the batch together;
@@ -159,7 +166,8 @@ def advance(engine: RequestEngine, chat, episodes: list[Episode], params: Sampli
     _apply(runner.collect(0.0), by_session, chat, params, max_tokens)
     for ep in episodes:
         if ep.finish_reason is None and not ep.busy:
-            engine.submit(ep.session, ep.tokens, params, seed=ep.request_seed())
+            pictures = {"images": ep.images} if ep.images else {}
+            engine.submit(ep.session, ep.tokens, params, seed=ep.request_seed(), **pictures)
             ep.busy = True
     if engine.pending:
         for session, out in engine.collect(timeout=POLL_S):
@@ -217,6 +225,7 @@ def _opened(ep: Episode, chat, result, params: SamplingParams, max_tokens: int) 
         _broken(ep, chat, exc)
         return
     ep.append(ids, trained=False, version=ep.version)
+    ep.images += message_images(messages)
     if len(ids) + params.max_new_tokens > max_tokens:
         ep.finish_reason = "length"
 
@@ -226,6 +235,7 @@ def _stepped(ep: Episode, chat, result, params: SamplingParams, max_tokens: int)
         obs, reward, terminated, truncated, _ = result
         reward = float(reward)
         obs_ids = None if terminated or truncated else chat.observation_ids(obs)
+        images = [] if obs_ids is None else message_images(obs)
     except Exception as exc:  # a malformed return value is the environment's error too
         _broken(ep, chat, exc)
         return
@@ -240,6 +250,7 @@ def _stepped(ep: Episode, chat, result, params: SamplingParams, max_tokens: int)
         ep.finish_reason = "length"
     else:
         ep.append(obs_ids, trained=False, version=ep.version)
+        ep.images += images
 
 
 def close(ep: Episode) -> None:

@@ -29,6 +29,12 @@ layer. The copy of W₀ costs the memory of the adapted weights once more.
 
 Sampling: a seeded row samples its t-th token by inverting the row's CDF at a
 uniform hashed from (engine seed, request seed, t) (actors/engine.py says why).
+
+Images (a vision-language model): each prompt comes with its images, in the order of
+their expanded tokens (policy/vision.py). A row's feed passes the model the pixels of
+the images whose tokens it feeds, so each image is encoded once, when its tokens enter
+the cache, and later turns attend to its keys like any other. The tokens of an image's
+placeholders are never sampled (probability zero, as the learner scores them).
 """
 
 from __future__ import annotations
@@ -48,8 +54,11 @@ class TorchEngine:
         from peft.tuners.lora import LoraLayer
 
         from policy.load import load_model, with_lora
+        from policy.vision import scheme_for
 
         self.torch = torch
+        self.scheme = scheme_for(model_path)
+        self._banned = list(self.scheme.special_ids) if self.scheme is not None else []
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -96,17 +105,22 @@ class TorchEngine:
     # -- generation -------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  sessions: list[Hashable] | None = None,
-                 seeds: list[int | None] | None = None) -> list[Completion]:
+                 seeds: list[int | None] | None = None,
+                 images: list[list] | None = None) -> list[Completion]:
         torch = self.torch
         if not prompts:
             return []
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"generate: one seed per prompt, got {len(seeds)} for {len(prompts)}")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"generate: one list of images per prompt, got {len(images)} for {len(prompts)}")
+        if images is not None and any(images) and self.scheme is None:
+            raise ValueError("generate: this model is a text model and cannot see images")
         # Each seeded row's own key: its t-th token is sampled at unit_uniform(key + t).
         keys = [None if s is None else stream_seed(self.seed, s) for s in (seeds or [None] * len(prompts))]
         with torch.inference_mode():
             new = self._select(prompts, sessions)
-            logits = self._forward(new)
+            logits = self._forward(new, self._new_images(new, images))
             n = len(prompts)
             outs = [Completion([], [], False) for _ in range(n)]
             done = [False] * n
@@ -132,6 +146,8 @@ class TorchEngine:
         from the row's key (seeded rows) or drawn from the engine's generator (the others)."""
         torch = self.torch
         logits = logits.float()
+        if self._banned:
+            logits[:, self._banned] = float("-inf")
         if temperature <= 0:
             tokens = logits.argmax(-1)
             logp = torch.log_softmax(logits, -1)
@@ -162,6 +178,7 @@ class TorchEngine:
         """Forget every session's keys and values (the next turn of each prefills it again)."""
         self._cache = None
         self._rows: list[list[int]] = []       # tokens fed into the cache, per row
+        self._fed: list[int] = []              # images fed into the cache, per row
         self._sessions: list[Hashable] = []
         self._mask = None                      # [B, T] 1 where a slot holds a real token
 
@@ -184,12 +201,14 @@ class TorchEngine:
                 index[s] = len(self._sessions)
                 self._sessions.append(s)
                 self._rows.append([])
+                self._fed.append(0)
         rows = [index[s] for s in sessions]
         if rows != list(range(len(self._sessions))):
             idx = torch.tensor(rows, device=self.device)
             self._cache.batch_select_indices(idx)
             self._mask = self._mask[idx]
             self._rows = [self._rows[r] for r in rows]
+            self._fed = [self._fed[r] for r in rows]
         self._sessions = list(sessions)
         longest = max(len(r) for r in self._rows)
         if self._mask.shape[1] > longest + max(64, longest // 2):  # holes: finished rows, ragged turns
@@ -227,12 +246,35 @@ class TorchEngine:
 
         self._cache = DynamicCache()
         self._rows = [[] for _ in prompts]
+        self._fed = [0] * len(prompts)
         self._sessions = list(sessions) if sessions is not None else [object() for _ in prompts]
         self._mask = self.torch.zeros((len(prompts), 0), dtype=self.torch.long, device=self.device)
         return [list(p) for p in prompts]
 
-    def _forward(self, new: list[list[int]]):
-        """Append each row's new tokens; return next-token logits for every row, [B, V]."""
+    def _new_images(self, new: list[list[int]], images: list[list] | None) -> list[list] | None:
+        """The images whose tokens each row's `new` tokens hold (the row's next unfed ones)."""
+        from policy.vision import image_tokens
+
+        if self.scheme is None:
+            return None
+        out = []
+        for i, toks in enumerate(new):
+            want, row = toks.count(self.scheme.image_token_id), []
+            pending = list(images[i][self._fed[i]:]) if images is not None else []
+            while want > 0:
+                if not pending:
+                    raise ValueError("generate: a prompt holds image tokens without their images")
+                row.append(pending.pop(0))
+                want -= image_tokens(self.scheme, row[-1])
+            if want < 0:
+                raise ValueError("generate: a prompt's image tokens do not match its images")
+            self._fed[i] += len(row)
+            out.append(row)
+        return out if any(out) else None
+
+    def _forward(self, new: list[list[int]], images: list[list] | None = None):
+        """Append each row's new tokens (with the pixels of the `images` they hold, per row);
+        return next-token logits for every row, [B, V]."""
         torch = self.torch
         b, width = len(new), max(len(x) for x in new)
         assert width > 0, "every forward must feed at least one row"
@@ -245,8 +287,9 @@ class TorchEngine:
         positions = lens[:, None] + torch.arange(width)[None, :]
         ids, real, positions = ids.to(self.device), real.to(self.device), positions.to(self.device)
         mask = torch.cat([self._mask, real], dim=1)
+        pixels = self.scheme.pixels(images, self.device) if images else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, **{self._cache_arg: self._cache})
+                         use_cache=True, **{self._cache_arg: self._cache}, **pixels)
         self._mask = mask  # the cache object was extended in place
         last = torch.tensor([max(len(x) - 1, 0) for x in new], device=self.device)
         logits = out.logits[torch.arange(b, device=self.device), last]

@@ -73,7 +73,7 @@ def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int) -> flo
     from bench.parity import random_adapter
     from envs import make_env
     from launch.config import Config
-    from policy import Chat, load_tokenizer
+    from policy.load import load_chat
     from policy.adapter import Adapter
 
     cfg = Config()
@@ -84,7 +84,7 @@ def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int) -> flo
     engine = make_engine(kind, model_path, cfg.learner.lora, seed=seed,
                          **actor_cfg.engine_options())
     try:
-        chat = Chat(load_tokenizer(model_path))
+        chat = load_chat(model_path)
         kwargs = cfg.env_kwargs()
         replay = _Replay()
         actor = Actor(actor_cfg, kind, engine, chat, lambda: make_env("maze", **kwargs), replay,

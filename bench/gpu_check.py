@@ -132,12 +132,12 @@ def parity(device: str, prompts: int) -> dict:
     from actors.engine import SamplingParams
     from actors.engines import make_engine
     from bench.parity import compare, prompts_for, random_adapter
-    from policy import Chat, load_tokenizer, resolve_model
+    from policy.load import load_chat, resolve_model
     from policy.load import LoraSpec
 
     model_path = resolve_model("builtin:tiny")
     lora = LoraSpec()
-    chat = Chat(load_tokenizer(model_path))
+    chat = load_chat(model_path)
     tensors = random_adapter(model_path, lora)
     params = SamplingParams(16, chat.stop_ids, temperature=0.7)
     out = {}

@@ -104,13 +104,13 @@ def main() -> None:
 
     from actors.engine import SamplingParams
     from actors.engines import make_engine
-    from policy import Chat, load_tokenizer, resolve_model
+    from policy.load import load_chat, resolve_model
     from policy.load import LoraSpec
 
     torch.set_num_threads(1)
     model_path = resolve_model("builtin:tiny")
     lora = LoraSpec()
-    chat = Chat(load_tokenizer(model_path))
+    chat = load_chat(model_path)
     tensors = random_adapter(model_path, lora)
     prompts = prompts_for(chat, args.prompts)
     params = SamplingParams(args.tokens, chat.stop_ids, temperature=args.temperature)

@@ -146,7 +146,7 @@ def run_one(eta: int, correction: str, seed: int, args: Args, model_path: str) -
     from launch.monitor import Evaluator
     from learner.config import LearnerConfig
     from learner.trainer import Learner
-    from policy import Chat, load_tokenizer
+    from policy.load import load_chat
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -163,7 +163,7 @@ def run_one(eta: int, correction: str, seed: int, args: Args, model_path: str) -
                       algo=cfg.algo, correction=correction, horizon=args.steps)
     engine = make_engine("torch", model_path, cfg.learner.lora, seed=seed)
     kwargs = cfg.env_kwargs()
-    actor = Actor(cfg.actor, "bench", engine, Chat(load_tokenizer(model_path)), lambda: make_env(cfg.env, **kwargs),
+    actor = Actor(cfg.actor, "bench", engine, load_chat(model_path), lambda: make_env(cfg.env, **kwargs),
                   feed, weights, seed=seed)
     t0 = time.time()
     try:

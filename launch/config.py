@@ -306,9 +306,9 @@ class Config:
     def chat(self, model_path: str):
         """The run's chat rendering of `model_path`'s tokenizer (policy.Chat: ValueError for a template
         that cannot be rendered turn by turn)."""
-        from policy import Chat, load_tokenizer
+        from policy.load import load_chat
 
-        return Chat(load_tokenizer(model_path), self.template_kwargs)
+        return load_chat(model_path, self.template_kwargs)
 
     def env_kwargs(self) -> dict:
         """Constructor arguments of --env from its section (--maze.*, --sql.*, ...)."""

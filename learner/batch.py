@@ -20,6 +20,8 @@ class Batch:
     advantages: torch.Tensor   # [B] (group estimators; zeros for ppo)
     rewards: torch.Tensor      # [B]
     staleness: torch.Tensor    # [B] learner version − trajectory version
+    images: list | None = None
+    """Each row's images (uint8 H×W×3, in the order of their tokens); None: no row has any."""
 
 
 def collate(groups: list[Group], version: int, pad_id: int, normalize_std: bool = True,
@@ -48,4 +50,5 @@ def collate(groups: list[Group], version: int, pad_id: int, normalize_std: bool 
                  mask=torch.from_numpy(mask), behaviour=torch.from_numpy(behaviour),
                  advantages=advantages.float(),
                  rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
-                 staleness=torch.tensor([version - t.version for t in trajs], dtype=torch.float32))
+                 staleness=torch.tensor([version - t.version for t in trajs], dtype=torch.float32),
+                 images=[list(t.images) for t in trajs] if any(len(t.images) for t in trajs) else None)

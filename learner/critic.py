@@ -31,10 +31,12 @@ def route(lora_layers: list, name: str):
 
 
 def critic_values(model, value_head: "ValueHead", lora_layers: list, adapter: str, tokens: torch.Tensor,
-                  attention: torch.Tensor) -> torch.Tensor:
-    """V(s_t) for the action at t, aligned like losses.token_logprobs: [b, T] (entry 0 is 0)."""
+                  attention: torch.Tensor, pixels: dict | None = None) -> torch.Tensor:
+    """V(s_t) for the action at t, aligned like losses.token_logprobs: [b, T] (entry 0 is 0);
+    `pixels`: a vision-language model's pixel inputs for the rows."""
     with route(lora_layers, adapter):  # logits_to_keep=1: no [b, T, V] logits, only the hidden states are used
-        out = model(input_ids=tokens, attention_mask=attention, output_hidden_states=True, logits_to_keep=1)
+        out = model(input_ids=tokens, attention_mask=attention, output_hidden_states=True, logits_to_keep=1,
+                    **(pixels or {}))
     v = value_head(out.hidden_states[-1])  # [b, T]: value of the prefix ending at t
     return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 

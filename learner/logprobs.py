@@ -20,6 +20,11 @@ Design decisions:
   (learner/trainer.py `_head`), which is a no-op, without a collective, when it already is.
 - The entropy is a metric unless its coefficient is above 0: then, and only then, it carries
   a gradient (`entropy_grad`); otherwise it is computed without building a graph over [c, V].
+- `banned` tokens (a vision-language model's image placeholders, which the engines never
+  sample) get probability zero, as in the engines' sampling distribution: their logits are
+  set to a large negative number (finite, so the entropy's p·log p stays 0, not NaN).
+- `pixels` (a vision-language model's pixel inputs for the rows, policy/vision.py) go to the
+  model's forward with the tokens.
 """
 
 from __future__ import annotations
@@ -34,12 +39,23 @@ from learner.losses import token_entropy, token_logprobs
 Head = Callable[[torch.Tensor], torch.Tensor]
 """The output head: hidden states [..., H] -> logits [..., V]."""
 
+NEVER = -1e30
+"""The logit of a banned token: exp of it is 0, and it stays finite after subtracting a max."""
+
+
+def _ban(z: torch.Tensor, banned: tuple[int, ...]) -> torch.Tensor:
+    if not banned:
+        return z
+    keep = torch.ones(z.shape[-1], dtype=torch.bool, device=z.device)
+    keep[list(banned)] = False
+    return z.masked_fill(~keep, NEVER)
+
 
 def _chunk_terms(hidden: torch.Tensor, target: torch.Tensor, head: Head, temperature: float,
-                 entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 entropy: bool, entropy_grad: bool, banned: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: hidden [c, H], target [c] (the token each position predicts) -> (log-prob [c],
     entropy [c], zeros when not asked for)."""
-    z = head(hidden).float()  # [c, V]
+    z = _ban(head(hidden).float(), banned)  # [c, V]
     if temperature != 1.0:
         z = z / temperature
     logp = torch.log_softmax(z, dim=-1)  # [c, V]
@@ -54,8 +70,8 @@ def _chunk_terms(hidden: torch.Tensor, target: torch.Tensor, head: Head, tempera
 
 
 def chunked_terms(hidden: torch.Tensor, head: Head, tokens: torch.Tensor, temperature: float = 1.0,
-                  chunk: int = 1024, entropy: bool = False,
-                  entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  chunk: int = 1024, entropy: bool = False, entropy_grad: bool = False,
+                  banned: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(tokens[:, t] | tokens[:, :t]) and the entropy of π(· | tokens[:, :t]), aligned to the
     predicted token as `losses.token_logprobs` and `losses.token_entropy` are.
 
@@ -72,7 +88,7 @@ def chunked_terms(hidden: torch.Tensor, head: Head, tokens: torch.Tensor, temper
     grad = torch.is_grad_enabled() and hidden.requires_grad
     logps, entropies = [], []
     for s in range(0, flat.shape[0], chunk):
-        args = (flat[s:s + chunk], target[s:s + chunk], head, temperature, entropy, entropy_grad and grad)
+        args = (flat[s:s + chunk], target[s:s + chunk], head, temperature, entropy, entropy_grad and grad, banned)
         if grad:
             lp, ent = checkpoint(_chunk_terms, *args, use_reentrant=False)
         else:
@@ -92,13 +108,16 @@ def chunked_terms(hidden: torch.Tensor, head: Head, tokens: torch.Tensor, temper
 
 def model_terms(model, tokens: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0,
                 chunk: int = 1024, entropy: bool = False, entropy_grad: bool = False,
-                head: Head | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log π [b, T], entropy [b, T] or None) of a Hugging Face causal LM (PEFT-wrapped or not)
-    on tokens [b, T] with attention [b, T]: chunked from the last hidden state, or with `chunk`
-    0 from the whole logits (`losses.token_logprobs`, `losses.token_entropy`). `head` defaults
-    to the model's output embeddings."""
+                head: Head | None = None, pixels: dict | None = None,
+                banned: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log π [b, T], entropy [b, T] or None) of a Hugging Face causal LM or vision-language
+    model (PEFT-wrapped or not) on tokens [b, T] with attention [b, T] (and the rows' `pixels`):
+    chunked from the last hidden state, or with `chunk` 0 from the whole logits
+    (`losses.token_logprobs`, `losses.token_entropy`). `head` defaults to the model's output
+    embeddings; `banned` tokens have probability zero."""
+    pixels = pixels or {}
     if chunk == 0:
-        logits = model(input_ids=tokens, attention_mask=attention).logits  # [b, T, V]
+        logits = _ban(model(input_ids=tokens, attention_mask=attention, **pixels).logits, banned)  # [b, T, V]
         logp = token_logprobs(logits, tokens, temperature)
         if not entropy:
             return logp, None
@@ -106,7 +125,7 @@ def model_terms(model, tokens: torch.Tensor, attention: torch.Tensor, temperatur
             return logp, token_entropy(logits, temperature)
     # hidden_states[-1] is the last hidden state after the final norm (transformers ties it to
     # last_hidden_state); logits_to_keep=1 has the model's own head run on one position only.
-    out = model(input_ids=tokens, attention_mask=attention, output_hidden_states=True, logits_to_keep=1)
+    out = model(input_ids=tokens, attention_mask=attention, output_hidden_states=True, logits_to_keep=1, **pixels)
     hidden = out.hidden_states[-1]  # [b, T, H]
     head = head if head is not None else model.get_output_embeddings()
-    return chunked_terms(hidden, head, tokens, temperature, chunk, entropy, entropy_grad)
+    return chunked_terms(hidden, head, tokens, temperature, chunk, entropy, entropy_grad, banned)

@@ -83,8 +83,10 @@ def _add_adapters(base, lora: LoraSpec, critic: bool):
 
 
 def decoder_layers(model) -> list:
-    """The decoder layers of a PEFT-wrapped causal LM (each becomes one FSDP unit)."""
-    return list(model.base_model.model.model.layers)
+    """The transformer layers of a PEFT-wrapped model, each of which becomes one FSDP unit: a
+    causal LM's decoder layers; a vision-language model's decoder layers and its vision tower's."""
+    return [layer for name, stack in model.base_model.model.named_modules()
+            if isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers" for layer in stack]
 
 
 def build_policy(source, lora: LoraSpec, mesh, device: torch.device, dtype: torch.dtype,
@@ -97,7 +99,9 @@ def build_policy(source, lora: LoraSpec, mesh, device: torch.device, dtype: torc
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    from transformers import AutoConfig, PretrainedConfig
+
+    from policy.load import model_class
 
     pretrained = not isinstance(source, PretrainedConfig)
     config = AutoConfig.from_pretrained(source) if pretrained else copy.deepcopy(source)
@@ -105,7 +109,7 @@ def build_policy(source, lora: LoraSpec, mesh, device: torch.device, dtype: torc
     # Drawn first, from the caller's RNG state, as a plain `with_lora(load_model(...))` would draw.
     full = _rank0_state_dict(source, lora, dtype, critic) if pretrained and dist.get_rank() == 0 else {}
     with _parameters_on_meta():
-        base = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        base = model_class(config).from_config(config, dtype=dtype)
         model = _add_adapters(base, lora, critic)
     if checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -116,7 +120,7 @@ def build_policy(source, lora: LoraSpec, mesh, device: torch.device, dtype: torc
     if critic:
         from learner.critic import ValueHead
 
-        value_head = ValueHead(config.hidden_size, device=device)
+        value_head = ValueHead(config.get_text_config().hidden_size, device=device)
         fully_shard(value_head, mesh=mesh, mp_policy=mp)  # its own FSDP root: called outside the model's forward
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)

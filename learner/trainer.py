@@ -111,6 +111,7 @@ class Learner:
         from torch.distributed.device_mesh import init_device_mesh
 
         from learner.model import build_policy, resolve_dtype
+        from policy.vision import scheme_for
 
         torch.set_num_threads(self.cfg.threads)
         cuda = self.cfg.device == "cuda" or (self.cfg.device == "auto" and torch.cuda.is_available())
@@ -126,6 +127,7 @@ class Learner:
             critic=self.algo == "ppo", checkpointing=self.cfg.activation_checkpointing)
         self.pad_id = model.config.pad_token_id or 0
         self.model = model
+        self.scheme = None if self.base_config is not None else scheme_for(self.model_path)
         self._lora_layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.policy_params = [p for n, p in named if f".{CRITIC}." not in n]
@@ -190,34 +192,35 @@ class Learner:
             self.model.unshard()
         return self.model.get_output_embeddings()(hidden)
 
-    def _policy_terms(self, tokens, attention, entropy: bool = False):
+    def _policy_terms(self, tokens, attention, pixels, entropy: bool = False):
         """(log π [b, T], entropy [b, T] or None) of the current model state, chunked by
         --learner.logit-chunk (learner/logprobs.py); the entropy has grad when its coefficient is
-        above 0."""
+        above 0. Image placeholder tokens have probability zero, as where they were sampled."""
         from learner.logprobs import model_terms
 
         return model_terms(self.model, tokens, attention, self.temperature, self.cfg.logit_chunk, entropy=entropy,
-                           entropy_grad=entropy and self.cfg.entropy_coef > 0, head=self._head)
+                           entropy_grad=entropy and self.cfg.entropy_coef > 0, head=self._head, pixels=pixels,
+                           banned=self.scheme.special_ids if self.scheme is not None else ())
 
-    def _ref_logprobs(self, tokens, attention):
+    def _ref_logprobs(self, tokens, attention, pixels):
         """log π_ref: the same model with the adapter disabled (no second copy in memory)."""
         import torch
 
         with torch.no_grad(), self.model.disable_adapter():
-            logp, _ = self._policy_terms(tokens, attention)
+            logp, _ = self._policy_terms(tokens, attention, pixels)
         # PEFT re-enables adapters by marking only the active one trainable: restore the critic's flags.
         for p in self.critic_params:
             p.requires_grad_(True)
         return logp
 
-    def _values(self, tokens, attention):
+    def _values(self, tokens, attention, pixels):
         """V(s_t) for the action at t: [b, T] (learner/critic.py)."""
         from learner.critic import critic_values
 
-        return critic_values(self.model, self.value_head, self._lora_layers, CRITIC, tokens, attention)
+        return critic_values(self.model, self.value_head, self._lora_layers, CRITIC, tokens, attention, pixels)
 
-    def _old_logprobs(self, tokens, attention):
-        return self._policy_terms(tokens, attention)[0]
+    def _old_logprobs(self, tokens, attention, pixels):
+        return self._policy_terms(tokens, attention, pixels)[0]
 
     def _forward_all(self, batch, rows: list[int], fn):
         """`fn` over `rows` without grad, in micro-batches, into a [B, T] tensor (start-of-step
@@ -227,18 +230,25 @@ class Learner:
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
         with torch.no_grad():
             for chunk, share in self._plan(batch, rows, shares=False):
-                tokens, attention, width = self._inputs(batch, chunk)
-                value = fn(tokens, attention).float().cpu()
+                tokens, attention, pixels, width = self._inputs(batch, chunk)
+                value = fn(tokens, attention, pixels).float().cpu()
                 if share:
                     out[torch.tensor(chunk), :width] = value
         return out
 
     def _inputs(self, batch, chunk):
+        """(tokens, attention, pixel inputs, width) of the rows `chunk`, cut to their longest."""
         import torch
 
         rows = torch.tensor(chunk)
         width = int(batch.attention[rows].sum(1).max())
-        return (batch.tokens[rows, :width].to(self.device), batch.attention[rows, :width].to(self.device), width)
+        pixels = {}
+        if batch.images is not None:
+            if self.scheme is None:
+                raise ValueError(f"the learner's model {self.model_path} is a text model, but the batch holds images")
+            pixels = self.scheme.pixels([batch.images[r] for r in chunk], self.device)
+        return (batch.tokens[rows, :width].to(self.device), batch.attention[rows, :width].to(self.device), pixels,
+                width)
 
     def _plan(self, batch, rows: list[int], shares: bool = True) -> list[tuple[list[int], float]]:
         """Micro-batches of `rows` (--learner.micro-batch rows each, or as many as fit
@@ -362,19 +372,19 @@ class Learner:
 
         cfg, ppo = self.cfg, self.algo == "ppo"
         rows = torch.tensor(chunk)
-        tokens, attention, width = self._inputs(batch, chunk)
+        tokens, attention, pixels, width = self._inputs(batch, chunk)
         mask = batch.mask[rows, :width].to(self.device)
         if share == 0.0:
             mask = mask * 0  # a padding micro-batch: it takes part in the collectives only
         old = start.old[rows, :width].to(self.device) if start.old is not None else None
         adv = (start.advantages[rows, :width] if ppo else start.advantages[rows]).to(self.device)
-        logp, entropy = self._policy_terms(tokens, attention, entropy=True)  # [b, T] each
-        ref = self._ref_logprobs(tokens, attention) if cfg.kl_coef > 0 else None
+        logp, entropy = self._policy_terms(tokens, attention, pixels, entropy=True)  # [b, T] each
+        ref = self._ref_logprobs(tokens, attention, pixels) if cfg.kl_coef > 0 else None
         loss, m = policy_objective(cfg, self.correction, logp, entropy, mask,
                                    batch.behaviour[rows, :width].to(self.device), adv, old, ref)
         (loss * share).backward()
         if ppo:
-            values = self._values(tokens, attention)
+            values = self._values(tokens, attention, pixels)
             vloss, vm = value_loss(values, start.old_values[rows, :width].to(self.device),
                                    start.returns[rows, :width].to(self.device), mask, cfg.value_clip,
                                    cfg.aggregation, cfg.norm_length)

@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from policy.load import LoraSpec
+from policy.load import VISION_TOWER, LoraSpec
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 VERSION_FILE = "tandem.json"
 UNSUPPORTED = ("use_dora", "use_rslora", "layers_to_transform", "rank_pattern", "alpha_pattern",
-               "exclude_modules", "modules_to_save")
+               "modules_to_save")
 """PEFT config fields that change what an adapter computes and that no LoraSpec sets."""
 
 
@@ -89,12 +89,17 @@ class Adapter:
         if ranks - {rank}:
             raise ValueError(f"{where}: r is {rank}, but the tensors of {weights} have "
                              f"rank {sorted(ranks)}")
+        exclude = config.get("exclude_modules")
+        if exclude not in (None, VISION_TOWER):
+            raise ValueError(f"{where}: exclude_modules is {exclude!r}; Tandem excludes only a vision-language "
+                             f"model's vision side ({VISION_TOWER!r})")
         unsupported = [k for k in UNSUPPORTED if config.get(k)]
         if unsupported:
             raise ValueError(f"{where}: sets {', '.join(f'{k}={config[k]!r}' for k in unsupported)}, which "
                              "Tandem's engines do not apply (they apply rank, alpha and target modules only)")
         try:
-            return LoraSpec(rank=rank, alpha=alpha, target_modules=list(targets))
+            return LoraSpec(rank=rank, alpha=alpha, target_modules=list(targets),
+                            vision_tower=exclude is None and _vision_adapter(self.tensors))
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
 
@@ -104,9 +109,14 @@ def _modules(tensors: dict) -> set[str]:
     return {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors}
 
 
+def _vision_adapter(tensors: dict) -> bool:
+    """Whether `tensors` adapt a vision-language model (its language model sits under a name of its own)."""
+    return any(".text_model." in name or ".language_model." in name for name in tensors)
+
+
 def adapter_config(spec: LoraSpec, tensors: dict, base_model: str) -> dict[str, Any]:
     """PEFT's adapter config for `tensors`, an adapter of `spec` on `base_model`."""
-    config = spec.peft_config().to_dict()
+    config = spec.peft_config(vision=_vision_adapter(tensors)).to_dict()
     config["target_modules"] = sorted(_modules(tensors))
     config["base_model_name_or_path"] = base_model
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}

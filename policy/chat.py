@@ -36,6 +36,11 @@ Design decisions:
   without a system message, with user and tool observations and with an
   observation of two messages. A template that refuses the system or tool role
   outright (it raises) is accepted: it fails only environments that send them.
+- **Images.** With a vision-language model's image scheme (policy/vision.py), a message's
+  content may be a list of text and image parts; the template renders one placeholder per
+  image and `prompt_ids` / `observation_ids` return it expanded (`vision.expand`), so the
+  episode's tokens are those the model sees. The checks at construction then also render
+  episodes whose observations hold pictures.
 - **Generation prompt as the template renders it.** `template_kwargs` go to
   every rendering (e.g. `{"enable_thinking": False}` for Qwen3); by default none,
   so Qwen3 thinks: its generation prompt is `<|im_start|>assistant\\n` and the
@@ -46,6 +51,8 @@ Design decisions:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 _BASE = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "Answer 0."})
 _PROBE = "Probe answer 7."
@@ -68,6 +75,25 @@ _SAMPLES: tuple[tuple[str, list[dict], Callable[[int], list[dict]], bool], ...] 
 )
 
 
+_PICTURE = np.full((8, 8, 3), 200, dtype=np.uint8)
+
+
+def _pictured(role: str, text: str) -> dict:
+    return {"role": role, "content": [{"type": "text", "text": text}, {"type": "image", "image": _PICTURE}]}
+
+
+_IMAGE_SAMPLES = (
+    ("image observations", [_pictured("user", "Question one?")], lambda k: [_pictured("user", f"Observation {k}.")],
+     True),
+)
+
+
+def message_images(messages) -> list[np.ndarray]:
+    """The images of `messages`, in the order their placeholders are rendered."""
+    return [part["image"] for m in messages if not isinstance(m["content"], str)
+            for part in m["content"] if part.get("type") == "image"]
+
+
 class Chat:
     """Renders an episode's messages to tokens, turn by turn.
 
@@ -79,8 +105,10 @@ class Chat:
         tokens += chat.observation_ids(observation)   # and so on, turn after turn
     """
 
-    def __init__(self, tokenizer, template_kwargs: dict | None = None) -> None:
+    def __init__(self, tokenizer, template_kwargs: dict | None = None, scheme=None) -> None:
+        """`scheme`: the image scheme of a vision-language model (policy/vision.py `scheme_for`)."""
         self.tokenizer = tokenizer
+        self.scheme = scheme
         self.template_kwargs = dict(template_kwargs or {})
         self.name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         if not getattr(tokenizer, "chat_template", None):
@@ -130,13 +158,25 @@ class Chat:
 
     # -- the interface --------------------------------------------------------
     def prompt_ids(self, messages) -> list[int]:
-        """Tokens of the opening messages followed by the assistant's generation prompt."""
-        return self._render(list(messages), generation_prompt=True)
+        """Tokens of the opening messages followed by the assistant's generation prompt (images
+        expanded; VisionError when they do not fit the model)."""
+        return self._expanded(self._render(list(messages), generation_prompt=True), messages)
 
     def observation_ids(self, messages) -> list[int]:
         """Tokens to append after a model turn that ended with the end-of-turn token: the new
         messages and the next generation prompt, exactly as the template renders them there."""
-        return self._after_turn(_BASE, list(messages))
+        return self._expanded(self._after_turn(_BASE, list(messages)), messages)
+
+    def _expanded(self, ids: list[int], messages) -> list[int]:
+        from policy.vision import VisionError, expand
+
+        images = message_images(messages)
+        if self.scheme is None:
+            if images:
+                raise VisionError(f"{self.name} is a text model: it cannot see the images of these messages "
+                                  "(use a vision-language model, e.g. --model builtin:vlm)")
+            return ids
+        return expand(self.scheme, ids, images)
 
     def closing(self, turn: Sequence[int]) -> list[int]:
         """What to append after a model turn before the next observation: nothing when the turn
@@ -171,7 +211,7 @@ class Chat:
         return added[text_eot], text_eot
 
     def _check_incremental(self) -> None:
-        for what, opening, observe, required in _SAMPLES:
+        for what, opening, observe, required in _SAMPLES + (_IMAGE_SAMPLES if self.scheme is not None else ()):
             episode = list(opening)
             for k in range(1, _TURNS + 1):
                 episode += [_m("assistant", f"Answer {k}."), *observe(k)]
@@ -205,7 +245,7 @@ class Chat:
                     f"turn {k}, the messages before the model's turn render as "
                     f"{self.tokenizer.decode(bare[at:at + 12])!r}... but as "
                     f"{self.tokenizer.decode(grown[at:at + 12])!r}... once the conversation grows. {fix}")
-            if self._after_turn(history + [answer], obs) != self.observation_ids(obs):
+            if self._after_turn(history + [answer], obs) != self._after_turn(_BASE, obs):
                 raise ValueError(
                     f"the chat template of {self.name} renders an observation differently depending on the "
                     f"conversation before it (episode with {what}, turn {k}), so its tokens cannot be "

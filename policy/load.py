@@ -1,12 +1,17 @@
-"""Loading a policy: built-in tiny model or any Hugging Face causal LM.
+"""Loading a policy: a built-in tiny model or any Hugging Face causal LM or vision-language model.
 
 `--model` takes a local path, a Hugging Face Hub id (resolved once, by the
 driver, to its snapshot directory in the Hugging Face cache: `resolve_model`),
-or `builtin:tiny` (the randomly initialised tiny model, built into the cache on
-first use) / `builtin:maze` (the tiny model after the supervised maze warm
-start; the launcher builds it into the cache with launch/warmstart.py, since
-training it takes the actors' and the learner's code). Nothing is downloaded
-for the built-ins; policy/cache.py has the cache.
+or a built-in: `builtin:tiny` (the randomly initialised tiny model, built into
+the cache on first use) / `builtin:maze` (the tiny model after the supervised
+maze warm start; the launcher builds it into the cache with launch/warmstart.py,
+since training it takes the actors' and the learner's code), and their
+vision-language pair `builtin:tiny-vlm` / `builtin:vlm` (the image-maze warm
+start). Nothing is downloaded for the built-ins; policy/cache.py has the cache.
+
+A vision-language model (a config with a `vision_config`) loads with
+`AutoModelForImageTextToText`; its LoRA adapter covers the language model only,
+the vision tower and connector frozen (`LoraSpec.vision_tower` adapts them too).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from pathlib import Path
 
 from policy.cache import build_once, cache_dir, is_built
 
-BUILTIN_DIRS = {"builtin:tiny": "tiny-v1", "builtin:maze": "maze-sft-v2"}
+BUILTIN_DIRS = {"builtin:tiny": "tiny-v1", "builtin:maze": "maze-sft-v2",
+                "builtin:tiny-vlm": "tiny-vlm-v1", "builtin:vlm": "image-maze-sft-v1"}
 """Each built-in's directory under `cache_dir()`. A new name whenever what is built changes, so
 that an old cache entry is never taken for the new one."""
 
@@ -41,12 +47,17 @@ def resolve_model(name: str) -> str:
         from policy.tiny import save_tiny
 
         return str(build_once(cache_dir() / BUILTIN_DIRS[name], save_tiny))
-    if name == "builtin:maze":
+    if name == "builtin:tiny-vlm":
+        from policy.tiny import save_tiny_vlm
+
+        return str(build_once(cache_dir() / BUILTIN_DIRS[name], save_tiny_vlm))
+    if name in ("builtin:maze", "builtin:vlm"):
         path = cache_dir() / BUILTIN_DIRS[name]
         if not is_built(path):
+            env = "maze" if name == "builtin:maze" else "image-maze"
             raise FileNotFoundError(
-                f"the maze warm start is not built yet at {path}; the launcher builds it "
-                "(python -m launch.warmstart)")
+                f"the {env} warm start is not built yet at {path}; the launcher builds it "
+                f"(python -m launch.warmstart --env {env})")
         return str(path)
     if name.startswith("builtin:"):
         raise ValueError(f"unknown built-in model {name!r}; choose one of {BUILTIN}")
@@ -127,15 +138,38 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def load_chat(path: str, template_kwargs: dict | None = None):
+    """The `Chat` of the model at `path`: its tokenizer's template, and for a vision-language
+    model its image scheme (policy/vision.py)."""
+    from policy.chat import Chat
+    from policy.vision import scheme_for
+
+    return Chat(load_tokenizer(path), template_kwargs, scheme=scheme_for(path))
+
+
+def model_class(config):
+    """The transformers auto class for `config`: image-text-to-text for a vision-language model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from policy.vision import is_vision
+
+    return AutoModelForImageTextToText if is_vision(config) else AutoModelForCausalLM
+
+
 def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
-    """The whole causal LM at `path` in `dtype` ("float32", "bfloat16") on `device`: what actors,
+    """The whole model at `path` in `dtype` ("float32", "bfloat16") on `device`: what actors,
     engines and tests load. The learner does not: learner/model.py loads it once, on rank 0's CPU,
     and keeps only each rank's FSDP shard on its device."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(device)
+
+
+VISION_TOWER = r".*\.(vision_model|connector)(\..*)?"
+"""PEFT's `exclude_modules` for a vision-language model whose vision side stays frozen: the
+vision tower and the connector (module names as PEFT sees them; Idefics3's layout)."""
 
 
 @dataclass
@@ -148,26 +182,35 @@ class LoraSpec:
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Modules that get adapters; "all-linear" means every linear layer but the output head."""
+    vision_tower: bool = False
+    """On a vision-language model, adapt the vision tower and connector too (by default only
+    the language model gets adapters, as in the published run: the vision side stays frozen)."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"--learner.lora.rank must be at least 1, got {self.rank}")
 
-    def peft_config(self):
+    def peft_config(self, vision: bool = False):
+        """PEFT's LoraConfig; `vision`: for a vision-language model (its vision side excluded
+        unless `vision_tower`)."""
         from peft import LoraConfig
 
         targets = self.target_modules
         return LoraConfig(
             r=self.rank, lora_alpha=self.alpha, lora_dropout=0.0, bias="none",
             target_modules=targets[0] if targets == ["all-linear"] else list(targets),
+            exclude_modules=VISION_TOWER if vision and not self.vision_tower else None,
             task_type="CAUSAL_LM")
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules)}
+        return {"rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules),
+                "vision_tower": self.vision_tower}
 
 
 def with_lora(model, spec: LoraSpec):
     """Wrap `model` with a fresh (identity) LoRA adapter."""
     from peft import get_peft_model
 
-    return get_peft_model(model, spec.peft_config())
+    from policy.vision import is_vision
+
+    return get_peft_model(model, spec.peft_config(vision=is_vision(model.config)))

@@ -1,10 +1,17 @@
-"""The built-in tiny policy: a small Llama decoder and a tokenizer made locally.
+"""The built-in tiny policies: a small Llama decoder, and a small Idefics3 vision-language
+model around the same decoder, with a tokenizer made locally.
 
-It is a standard transformers architecture saved in Hugging Face format, so the
-code that loads it is the code that loads real checkpoints, and vLLM could serve
-it. The tokenizer is built with the `tokenizers` library (nothing downloaded):
-one token per printable character, plus whole-word tokens for the chat roles and
-the maze vocabulary, plus ChatML-style turn markers and a chat template.
+Both are standard transformers architectures saved in Hugging Face format, so the code that
+loads them is the code that loads real checkpoints, and vLLM serves them. The tokenizer is
+built with the `tokenizers` library (nothing downloaded): one token per printable character,
+plus whole-word tokens for the chat roles and the maze vocabulary, plus ChatML-style turn
+markers and a chat template. The vision-language model's tokenizer adds Idefics3's image
+tokens, and its template renders an image part of a message as `<image>`.
+
+The vision-language model is sized for the image maze: a 64×64 picture (16 px a cell of a
+4×4 maze), patches of 8 px and a pixel-shuffle scale factor of 2 give 16 image tokens, one a
+cell; a 2-layer vision tower of width 64 and the text model of the tiny policy (~0.92 M
+parameters in all).
 """
 
 from __future__ import annotations
@@ -26,7 +33,22 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+"""Idefics3's image tokens (its processor adds the first three to a tokenizer that lacks them)."""
+
+# The same ChatML, with a message's content either text or a list of text and image parts.
+VISION_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+IMAGE_SIZE = 64
+"""Side of the pictures the vision-language model sees (larger ones are resized to it)."""
+
+
+def build_tokenizer(vision: bool = False):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -40,23 +62,32 @@ def build_tokenizer():
         tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>",
         bos_token=None, model_max_length=2048)
     fast.chat_template = CHAT_TEMPLATE
+    if vision:
+        fast.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+        fast.chat_template = VISION_CHAT_TEMPLATE
     return fast
 
 
-def build_model(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4, seed: int = 0):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4):
+    """The tiny decoder's config (also the vision-language model's text model)."""
+    from transformers import LlamaConfig
 
     # Llama rather than Qwen2: transformers maps the qwen2 model type to its own
     # byte-level tokenizer class and would ignore ours.
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
         max_position_embeddings=2048, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None, use_cache=True)
+
+
+def build_model(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4, seed: int = 0):
+    import torch
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(llama_config(tokenizer, hidden, layers, heads))
 
 
 def save_tiny(path: str | Path, seed: int = 0) -> Path:
@@ -68,4 +99,45 @@ def save_tiny(path: str | Path, seed: int = 0) -> Path:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def build_vlm(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4, seed: int = 0):
+    """The tiny Idefics3: the tiny policy's decoder as its text model, a small vision tower."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    text = llama_config(tokenizer, hidden, layers, heads).to_dict()
+    config = Idefics3Config(
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=IMAGE_SIZE, patch_size=8),
+        text_config=text, scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    torch.manual_seed(seed)
+    return Idefics3ForConditionalGeneration(config)
+
+
+def build_processor(tokenizer):
+    """Idefics3's processor for `IMAGE_SIZE` pictures: one image, no tiles (PIL-based, so no
+    torchvision is needed)."""
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    image_processor = Idefics3ImageProcessorPil(
+        do_image_splitting=False, do_resize=True, size={"longest_edge": IMAGE_SIZE},
+        max_image_size={"longest_edge": IMAGE_SIZE})
+    seq_len = (IMAGE_SIZE // 8) ** 2 // 2 ** 2  # patches over the pixel shuffle's scale factor squared
+    return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=seq_len,
+                             chat_template=tokenizer.chat_template)
+
+
+def save_tiny_vlm(path: str | Path, seed: int = 0) -> Path:
+    """Write a randomly initialised tiny vision-language policy (model + processor) to `path`."""
+    path = Path(path)
+    tokenizer = build_tokenizer(vision=True)
+    model = build_vlm(tokenizer, seed=seed)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    build_processor(tokenizer).save_pretrained(path)
     return path

@@ -37,6 +37,24 @@ def chat(tiny_model):
     return Chat(load_tokenizer(tiny_model))
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> str:
+    """A freshly initialised built-in tiny vision-language policy (Idefics3) in Hugging Face format."""
+    import torch
+
+    from policy.tiny import save_tiny_vlm
+
+    torch.set_num_threads(1)
+    return str(save_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model"))
+
+
+@pytest.fixture(scope="session")
+def vlm_chat(tiny_vlm):
+    from policy.load import load_chat
+
+    return load_chat(tiny_vlm)
+
+
 def pytest_configure(config):
     from policy.compat import check_torchvision
 

@@ -1,5 +1,6 @@
 """The torch engine: batched multi-turn generation whose log-probs match a plain forward."""
 
+import pytest
 import torch
 
 from actors.engine import SamplingParams
@@ -196,3 +197,74 @@ def test_a_merged_adapter_computes_what_the_lora_branch_computes(tiny_model, cha
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
     assert abs(a.logprobs[0] - full_logprobs(TorchEngine(tiny_model, LoraSpec(rank=4)), prompt, a.tokens)[0]) > 1e-4
+
+
+def _pictured(text, image):
+    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image", "image": image}]}]
+
+
+def _picture(seed):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+
+
+def _full_vlm_logprobs(engine, prompt, images, generated):
+    with torch.no_grad():
+        pixels = engine.scheme.pixels([images])
+        logits = engine.model(input_ids=torch.tensor([prompt + generated]), **pixels).logits[0]
+    logits[:, list(engine.scheme.special_ids)] = float("-inf")  # never sampled: probability zero
+    logp = torch.log_softmax(logits, -1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(generated)]
+
+
+def test_image_episodes_match_a_full_forward_across_turns(tiny_vlm, vlm_chat):
+    """A vision-language engine plays two image episodes for two turns (the second turn's
+    picture fed into the kept KV cache): every sampled log-prob equals a plain forward over the
+    whole episode with all its pictures, and no image token is ever sampled."""
+    engine = TorchEngine(tiny_vlm, LoraSpec(rank=4), seed=3)
+    params = SamplingParams(5, vlm_chat.stop_ids, temperature=1.0)
+    pics = {"a": [_picture(0)], "b": [_picture(1)]}
+    prompts = {k: vlm_chat.prompt_ids(_pictured("start", v[0])) for k, v in pics.items()}
+    first = engine.generate(list(prompts.values()), params, sessions=list(prompts), seeds=[1, 2],
+                            images=list(pics.values()))
+    seen = []
+    for (key, prompt), out in zip(prompts.items(), first):
+        seen.append((prompt, list(pics[key]), out))
+        pics[key].append(_picture(10 + len(seen)))
+        prompts[key] = prompt + out.tokens + vlm_chat.closing(out.tokens) + vlm_chat.observation_ids(
+            _pictured("moved", pics[key][-1]))
+    second = engine.generate(list(prompts.values()), params, sessions=list(prompts), seeds=[3, 4],
+                             images=list(pics.values()))
+    for (key, prompt), out in zip(prompts.items(), second):
+        seen.append((prompt, list(pics[key]), out))
+    for prompt, images, out in seen:
+        torch.testing.assert_close(out.logprobs, _full_vlm_logprobs(engine, prompt, images, out.tokens),
+                                   atol=1e-4, rtol=0)
+        assert not set(out.tokens) & set(engine.scheme.special_ids)
+
+
+def test_the_picture_of_a_later_turn_reaches_the_model(tiny_vlm, vlm_chat):
+    """Two episodes identical but for the picture of their second observation: the engine's
+    next-token distribution differs, so later pictures are seen, not only the first."""
+    engine = TorchEngine(tiny_vlm, LoraSpec(rank=4))
+    params = SamplingParams(1, vlm_chat.stop_ids, temperature=0.0)
+    first = _picture(0)
+    opening = vlm_chat.prompt_ids(_pictured("start", first)) + [vlm_chat.stop_ids[0]]
+    outs = []
+    for later in (_picture(1), _picture(2)):
+        prompt = opening + vlm_chat.observation_ids(_pictured("moved", later))
+        outs.append(engine.generate([prompt], params, sessions=[f"s{len(outs)}"], images=[[first, later]])[0])
+        assert outs[-1].logprobs[0] == pytest.approx(_full_vlm_logprobs(engine, prompt, [first, later],
+                                                                       outs[-1].tokens)[0], abs=1e-4)
+    with torch.no_grad():
+        dists = [engine.model(input_ids=torch.tensor([opening + vlm_chat.observation_ids(_pictured("moved", p))]),
+                              **engine.scheme.pixels([[first, p]])).logits[0, -1] for p in (_picture(1), _picture(2))]
+    assert (dists[0] - dists[1]).abs().max() > 1e-4
+
+
+def test_an_engine_refuses_image_tokens_without_their_pictures(tiny_vlm, vlm_chat):
+    engine = TorchEngine(tiny_vlm, LoraSpec(rank=4))
+    prompt = vlm_chat.prompt_ids(_pictured("start", _picture(0)))
+    with pytest.raises(ValueError, match="without their images"):
+        engine.generate([prompt], SamplingParams(2, vlm_chat.stop_ids), images=[[]])

@@ -96,10 +96,10 @@ def _ppo_rank(rank, model, endpoint, url, out):
 
         tokens = torch.tensor([make_group(seed=0).trajectories[0].tokens[:12].tolist()], dtype=torch.long)
         attention = torch.ones_like(tokens)
-        ref = learner._ref_logprobs(tokens, attention)
+        ref = learner._ref_logprobs(tokens, attention, {})
         with torch.no_grad():
             base = token_logprobs(load_model(model)(input_ids=tokens, attention_mask=attention).logits, tokens)
-            policy, _ = learner._policy_terms(tokens, attention)
+            policy, _ = learner._policy_terms(tokens, attention, {})
         metrics.append({"ref_gap": float((ref - base).abs().max()), "policy_gap": float((policy - base).abs().max()),
                         "critic_trainable": all(p.requires_grad for p in learner.critic_params)})
         out.put((rank, {k: v.numpy() for k, v in before.items()},

@@ -138,8 +138,8 @@ def _fsdp_rank(rank, model, dtype, url, out):
             for chunk in (0, 5):
                 learner.cfg.logit_chunk = chunk
                 learner.optimizer.zero_grad(set_to_none=True)
-                logp, entropy = learner._policy_terms(tokens, attention, entropy=True)
-                ref = learner._ref_logprobs(tokens, attention)  # another root forward before the backward
+                logp, entropy = learner._policy_terms(tokens, attention, {}, entropy=True)
+                ref = learner._ref_logprobs(tokens, attention, {})  # another root forward before the backward
                 ((logp * w).sum() + (entropy * w.flip(1)).sum() + ((logp - ref) ** 2).sum()).backward()
                 grads = {n: p.grad.full_tensor().numpy().copy() for n, p in learner.model.named_parameters()
                          if p.grad is not None}  # numpy: a torch tensor would go through shared memory

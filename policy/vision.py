@@ -1,0 +1,189 @@
+"""How a vision-language family places an image in the token stream, and its pixel inputs.
+
+An image travels as a uint8 H×W×3 array (envs/base.py) from the environment to the engine and,
+with its trajectory, to the learner. The chat template renders one placeholder token per image
+(`<image>`); `expand` replaces each placeholder by the family's expansion (Idefics3: a wrapper
+token, `<global-img>`, `image_seq_len` image tokens per tile, a wrapper token), exactly as the
+family's Hugging Face processor does, and `pixels` builds the model's pixel inputs with the
+family's own image processor. The engine and the learner both go through this module, so the
+learner sees exactly the token ids the engine saw; the token ids of an episode are the expanded
+ones, and `collapse` gives back the one-placeholder form an engine such as vLLM expands itself.
+
+Design decisions:
+- Expansion at the token level, from the processor's own string for the image (its
+  `replace_image_token`), tokenised once: the placeholders are special tokens, so the expanded
+  ids equal the processor's (tests/policy/test_vision.py checks them against it).
+- Placeholder tokens are never sampled: `special_ids` names every token an expansion uses,
+  and engines and the learner give them probability zero, so model text cannot open an image
+  slot without an image (and an environment's text cannot either: `expand` checks that every
+  placeholder has its image).
+- One scheme per family, chosen by the config's `model_type` (`scheme_for`); text models have
+  none. Families whose processors need torchvision are refused with a message that says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class VisionError(ValueError):
+    """An image or a placeholder that does not fit the model's scheme; the message says which."""
+
+
+class ImageScheme(Protocol):
+    """One family's placement of images in the token stream.
+
+    Usage::
+
+        scheme = scheme_for(model_path, tokenizer)        # None for a text model
+        ids = expand(scheme, rendered_ids, images)         # what the engine and the learner see
+        inputs = scheme.pixels([images_of_row_0, ...])     # model kwargs for those rows
+    """
+
+    image_token_id: int
+    """The placeholder the chat template renders for one image."""
+    special_ids: tuple[int, ...]
+    """Every token an expansion uses: never sampled."""
+
+    def expansion(self, image: np.ndarray) -> list[int]:
+        """The token ids that replace one placeholder for `image`."""
+        ...
+
+    def pixels(self, rows: Sequence[Sequence[np.ndarray]], device: Any = "cpu") -> dict:
+        """Model inputs (pixel_values, ...) for the images of each row, in order; {} without any."""
+        ...
+
+
+def expand(scheme: ImageScheme, ids: Sequence[int], images: Sequence[np.ndarray]) -> list[int]:
+    """`ids` (rendered by the chat template) with the i-th placeholder replaced by the expansion
+    of `images[i]`; VisionError unless there is exactly one placeholder per image and no other
+    token of an expansion appears outside one."""
+    out: list[int] = []
+    at = 0
+    stray = set(scheme.special_ids) - {scheme.image_token_id}
+    for token in ids:
+        if token == scheme.image_token_id:
+            if at == len(images):
+                raise VisionError(f"the rendered messages hold more image placeholders than their {len(images)} "
+                                  "image(s): text must not contain the image token")
+            out += scheme.expansion(images[at])
+            at += 1
+        elif token in stray:
+            raise VisionError("the rendered messages hold an image token outside an image's placeholder: "
+                              "text must not contain image tokens")
+        else:
+            out.append(token)
+    if at != len(images):
+        raise VisionError(f"the messages hold {len(images)} image(s) but their rendering has {at} placeholder(s): "
+                          "the chat template must render each image part as the image token")
+    return out
+
+
+def collapse(scheme: ImageScheme, ids: Sequence[int], images: Sequence[np.ndarray]) -> list[int]:
+    """The inverse of `expand`: each image's expansion in `ids`, in order, back to one
+    placeholder (the prompt form of engines that expand placeholders themselves)."""
+    out, i, ids = [], 0, list(ids)
+    for image in images:
+        exp = scheme.expansion(image)
+        j = _find(ids, exp, i)
+        if j < 0:
+            raise VisionError("an image's expansion is missing from the token ids: they were not made by expand")
+        out += ids[i:j] + [scheme.image_token_id]
+        i = j + len(exp)
+    return out + ids[i:]
+
+
+def image_tokens(scheme: ImageScheme, image: np.ndarray) -> int:
+    """How many `image_token_id` tokens the expansion of `image` holds (an engine's count of the
+    images a row's cached tokens already hold)."""
+    return scheme.expansion(image).count(scheme.image_token_id)
+
+
+def _find(seq: list[int], sub: list[int], start: int) -> int:
+    first, n = sub[0], len(sub)
+    for j in range(start, len(seq) - n + 1):
+        if seq[j] == first and seq[j:j + n] == sub:
+            return j
+    return -1
+
+
+class Idefics3Scheme:
+    """Idefics3 (and SmolVLM): `<fake_token_around_image><global-img>` + `<image>` × image_seq_len
+    + `<fake_token_around_image>` per image, with row/column tiles before it when the image
+    processor splits images."""
+
+    def __init__(self, processor) -> None:
+        self.processor = processor
+        self.image_processor = processor.image_processor
+        tok = processor.tokenizer
+        self.image_token_id = processor.image_token_id
+        names = [processor.fake_image_token, processor.image_token, processor.global_image_tag]
+        names += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+        ids = [tok.convert_tokens_to_ids(n) for n in names]
+        self.special_ids = tuple(sorted({i for i in ids if i is not None and i != tok.unk_token_id}))
+        self._tok = tok
+        self._cache: dict[tuple[int, int], list[int]] = {}
+
+    def expansion(self, image: np.ndarray) -> list[int]:
+        h, w = image.shape[:2]
+        if (h, w) not in self._cache:  # the expansion depends on the image's size only
+            inputs = self.image_processor([[image]], return_row_col_info=True)
+            text = self.processor.replace_image_token(inputs, 0)
+            self._cache[(h, w)] = list(self._tok(text, add_special_tokens=False)["input_ids"])
+        return list(self._cache[(h, w)])
+
+    def pixels(self, rows: Sequence[Sequence[np.ndarray]], device: Any = "cpu") -> dict:
+        import torch
+
+        per_row = []
+        for images in rows:
+            tiles = [self.image_processor([[img]], return_tensors="pt") for img in images]
+            per_row.append(([t["pixel_values"][0] for t in tiles], [t["pixel_attention_mask"][0] for t in tiles]))
+        if not any(values for values, _ in per_row):
+            return {}
+        flat = [v for values, _ in per_row for v in values]
+        n = max(sum(v.shape[0] for v in values) for values, _ in per_row)
+        c, h, w = flat[0].shape[1], max(v.shape[2] for v in flat), max(v.shape[3] for v in flat)
+        # Zero images are padding to Idefics3 (dropped before its vision tower): real ones never
+        # normalise to all zeros from uint8 pixels.
+        pv = torch.zeros((len(rows), n, c, h, w), dtype=flat[0].dtype)
+        pm = torch.zeros((len(rows), n, h, w), dtype=torch.long)
+        for r, (values, masks) in enumerate(per_row):
+            k = 0
+            for v, m in zip(values, masks):
+                pv[r, k:k + v.shape[0], :, :v.shape[2], :v.shape[3]] = v
+                pm[r, k:k + m.shape[0], :m.shape[1], :m.shape[2]] = m
+                k += v.shape[0]
+        return {"pixel_values": pv.to(device), "pixel_attention_mask": pm.to(device)}
+
+
+SCHEMES = {"idefics3": Idefics3Scheme, "smolvlm": Idefics3Scheme}
+"""Vision-language families by config `model_type`."""
+
+
+def is_vision(config) -> bool:
+    """Whether a transformers config is a vision-language model's (it has a vision tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def scheme_for(path: str, config=None) -> ImageScheme | None:
+    """The image scheme of the model at `path` (None for a text model); VisionError for a
+    vision-language family Tandem cannot place images for."""
+    from transformers import AutoConfig, AutoProcessor
+
+    config = config if config is not None else AutoConfig.from_pretrained(path)
+    if not is_vision(config):
+        return None
+    family = config.model_type
+    if family not in SCHEMES:
+        raise VisionError(f"{path}: Tandem does not place images for the {family!r} family yet; it does for "
+                          f"{', '.join(sorted(SCHEMES))}")
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except Exception as exc:
+        raise VisionError(f"{path}: cannot load its processor ({type(exc).__name__}: {exc}); a vision-language "
+                          "model directory holds its processor's files beside the weights") from exc
+    return SCHEMES[family](processor)

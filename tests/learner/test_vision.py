@@ -1,0 +1,109 @@
+"""A vision-language learner: two FSDP ranks over gloo train on image-maze episodes that the
+torch engine played, scoring exactly the tokens and pictures the engine saw."""
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+from replay.buffer import ReplayBuffer
+from replay.server import ReplayServer
+from replay.wire import Group
+from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
+from tests.learner.test_fsdp import _port
+
+TEMPERATURE = 0.7
+
+
+def _image_groups(model: str, n: int) -> list[Group]:
+    """`n` GRPO groups of 4 image-maze episodes played by the torch engine at the training
+    temperature (a fresh adapter: the base model, as a learner at version 0 holds it)."""
+    import torch
+
+    from actors.engine import SamplingParams
+    from actors.envrunner import EnvRunner
+    from actors.rollout import close, play, start
+    from actors.torch_engine import TorchEngine
+    from envs import make_env
+    from policy.load import LoraSpec, load_chat
+
+    torch.set_num_threads(1)
+    engine, chat, runner = TorchEngine(model, LoraSpec(rank=4), seed=1), load_chat(model), EnvRunner(threads=2)
+    try:
+        groups = []
+        for g in range(n):
+            episodes = [start(make_env("image-maze", max_steps=4), chat, runner, seed=100 + g, sampling_seed=4 * g + j)
+                        for j in range(4)]
+            play(engine, chat, episodes, SamplingParams(4, chat.stop_ids, temperature=TEMPERATURE), 2048, runner)
+            for e in episodes:
+                close(e)
+            groups.append(Group(f"g{g}", f"seed={100 + g}", [e.trajectory() for e in episodes]))
+        return groups
+    finally:
+        runner.close()
+        engine.close()
+
+
+def _rank(rank, model, endpoint, url, groups, algo, out):
+    import torch
+
+    from learner.batch import collate
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=2), model, rank, 2, url, ZmqLearnerReplay(endpoint),
+                      temperature=TEMPERATURE, algo=algo)
+    try:
+        learner.setup()
+        batch = collate(groups, 0, learner.pad_id, algo=algo)
+        rows = list(range(len(batch.tokens)))
+        tokens, attention, pixels, width = learner._inputs(batch, rows)
+        mask = batch.mask[:, :width].bool()
+        with torch.no_grad():
+            logp = learner._policy_terms(tokens, attention, pixels)[0]
+            other = learner.scheme.pixels([[np.full_like(img, 128) for img in row] for row in batch.images])
+            blind = learner._policy_terms(tokens, attention, other)[0]
+        behaviour = batch.behaviour[:, :width]
+        gap = float((logp - behaviour)[mask].abs().max())
+        blind_gap = float((blind - behaviour)[mask].abs().max())
+        metrics = learner.step()
+        out.put((rank, gap, blind_gap, metrics, sorted(learner.adapter_tensors())))
+    finally:
+        learner.close()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_two_ranks_score_image_episodes_as_the_engine_sampled_them_and_train(tiny_vlm, algo):
+    """The learner's log-probs of the engine's tokens, with the episodes' pictures, equal the
+    behaviour log-probs (the text path's tolerance); with other pictures they do not, so the
+    pictures reach the learner. A step then trains the language model's adapter only."""
+    groups = _image_groups(tiny_vlm, 4)
+    assert all(len(t.images) >= 2 for g in groups for t in g.trajectories)
+    server = ReplayServer(ReplayBuffer(groups_per_step=2, max_staleness=0, num_shards=2), "tcp://127.0.0.1:*")
+    endpoint = server.start()
+    try:
+        client = ZmqActorReplay(endpoint, actor="actor-0")
+        for g in groups[2:]:
+            client.push(g)
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        url = f"tcp://127.0.0.1:{_port()}"
+        procs = [ctx.Process(target=_rank, args=(r, tiny_vlm, endpoint, url, groups[:2], algo, out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        results = {r: rest for r, *rest in (out.get(timeout=240) for _ in procs)}
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0], "a rank aborted at exit"
+    finally:
+        server.stop()
+    for gap, blind_gap, metrics, names in results.values():
+        assert gap < 1e-4, f"learner and engine disagree on image episodes by {gap}"
+        assert blind_gap > 1e-3, "other pictures left the learner's log-probs unchanged"
+        assert metrics["mismatch_kl"] < 1e-6 and np.isfinite(metrics["loss"])
+        assert names and all(".text_model." in n for n in names), "the adapter reached the vision tower"
+        if algo == "ppo":
+            assert np.isfinite(metrics["value_loss"])
+    assert server.buffer.stats.served_groups == 2

@@ -1,0 +1,76 @@
+"""Images in the token stream: Tandem's expansion against the family's Hugging Face processor."""
+
+import numpy as np
+import pytest
+import torch
+
+from policy.load import LoraSpec, load_model, with_lora
+from policy.vision import VisionError, collapse, expand, scheme_for
+
+
+def picture(seed: int, size: int = 64) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+
+
+def pictured(text: str, image: np.ndarray, role: str = "user") -> dict:
+    return {"role": role, "content": [{"type": "text", "text": text}, {"type": "image", "image": image}]}
+
+
+def test_an_episode_expands_to_the_processors_tokens_and_pixels(tiny_vlm, vlm_chat):
+    """Render a two-image episode as the actors do (prompt, model turn, observation) and as
+    the Hugging Face processor does on the whole conversation: same ids, same pixels."""
+    from transformers import AutoProcessor
+
+    a, b = picture(0), picture(1)
+    opening, answer, obs = [pictured("start", a)], {"role": "assistant", "content": "up"}, [pictured("moved", b)]
+    ours = vlm_chat.prompt_ids(opening) + vlm_chat.tokenizer.encode("up", add_special_tokens=False)
+    ours += list(vlm_chat.stop_ids[:1]) + vlm_chat.observation_ids(obs)
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    text = processor.tokenizer.apply_chat_template(opening + [answer] + obs, tokenize=False, add_generation_prompt=True)
+    theirs = processor(text=[text], images=[[a, b]], add_special_tokens=False, return_tensors="pt")
+    assert ours == theirs["input_ids"][0].tolist()
+    image_id = vlm_chat.scheme.image_token_id
+    assert ours.count(image_id) == 2 * 16  # one image token a maze cell, per picture
+    pixels = vlm_chat.scheme.pixels([[a, b]])
+    torch.testing.assert_close(pixels["pixel_values"], theirs["pixel_values"], rtol=0, atol=0)
+    # and back to one placeholder per image, the form vLLM expands itself
+    rendered = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert collapse(vlm_chat.scheme, ours, [a, b]) == rendered
+
+
+def test_text_cannot_open_an_image_slot(vlm_chat):
+    """An environment (or a user) writing the image token in text gets a clear error: the
+    model would otherwise be fed an image slot with no picture."""
+    with pytest.raises(VisionError, match="text must not contain"):
+        vlm_chat.prompt_ids([{"role": "user", "content": "look: <image>"}])
+    with pytest.raises(VisionError, match="text must not contain"):
+        vlm_chat.observation_ids([{"role": "user", "content": "<fake_token_around_image>"}])
+
+
+def test_a_text_model_refuses_images(chat):
+    with pytest.raises(VisionError, match="text model"):
+        chat.prompt_ids([pictured("start", picture(0))])
+
+
+def test_expand_needs_one_image_per_placeholder(vlm_chat):
+    scheme = vlm_chat.scheme
+    ids = [5, scheme.image_token_id, 6]
+    with pytest.raises(VisionError, match="1 image"):
+        expand(scheme, ids + [scheme.image_token_id], [picture(0)])
+    with pytest.raises(VisionError, match="2 image"):
+        expand(scheme, ids, [picture(0), picture(1)])
+
+
+def test_a_vision_language_adapter_leaves_the_vision_tower_alone(tiny_vlm):
+    """By default LoRA adapts the language model only (the vision side is frozen, as in the
+    published run); `vision_tower` adapts the vision tower and connector too."""
+    from peft import get_peft_model_state_dict
+
+    text_only = get_peft_model_state_dict(with_lora(load_model(tiny_vlm), LoraSpec(rank=2)))
+    assert text_only and all(".text_model." in name for name in text_only)
+    everything = get_peft_model_state_dict(with_lora(load_model(tiny_vlm), LoraSpec(rank=2, vision_tower=True)))
+    assert any(".vision_model." in name for name in everything) and set(text_only) < set(everything)
+
+
+def test_a_text_model_has_no_scheme(tiny_model):
+    assert scheme_for(tiny_model) is None
