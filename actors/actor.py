@@ -113,6 +113,9 @@ class ActorConfig:
     from the tokens already sampled). Either way every token records the version that sampled it."""
     enforce_eager: bool = False
     """vLLM: run the model eagerly (no CUDA graphs or compilation): a faster start, slower decoding."""
+    max_images: int = 32
+    """vLLM, vision-language models: most images in one episode's prompt (vLLM sizes its encoder
+    cache for it; the image maze shows one a turn)."""
 
     @property
     def num_gpus(self) -> float:
@@ -132,12 +135,14 @@ class ActorConfig:
         return {"dtype": self.dtype, "memory_fraction": self.memory_fraction, "kv_cache_gb": self.kv_cache_gb,
                 "max_model_len": self.max_tokens, "max_lora_rank": self.max_lora_rank,
                 "max_loras": self.max_loras, "in_flight": self.in_flight, "threads": self.threads,
-                "enforce_eager": self.enforce_eager}
+                "enforce_eager": self.enforce_eager, "max_images": self.max_images}
 
     def __post_init__(self) -> None:
         check_choices(self, "--actor.")
         if self.restarts < 0:
             raise ValueError(f"--actor.restarts must be 0 or more, got {self.restarts}")
+        if self.max_images < 1:
+            raise ValueError(f"--actor.max-images must be at least 1, got {self.max_images}")
         if not 0 <= self.gpus <= 1:
             raise ValueError(f"--actor.gpus is the GPUs of one actor, in [0, 1] (an engine runs on one GPU; a "
                              f"fraction shares it), got {self.gpus:g}")

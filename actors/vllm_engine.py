@@ -31,6 +31,13 @@ Design decisions:
   aborts them and continues each under the new adapter from the tokens
   already sampled. Either way every token carries the version that sampled it
   (`Completion.versions`), so the learner's per-token versions are exact.
+- **Images.** For a vision-language model a turn's request carries the episode's
+  images as `multi_modal_data`, with the prompt's expansions collapsed back to one
+  placeholder each (vLLM expands a token prompt's placeholders itself; an expanded
+  prompt would be expanded twice: policy/vision.py `collapse`), and a content hash
+  of each image as its uuid, so vLLM's caches key on the picture. Placeholder
+  tokens are left out of `allowed_token_ids`: never sampled, and the processed
+  log-probs are those of the distribution without them, as the learner scores.
 - **Seeded requests.** vLLM samples a request without a seed from a generator
   the whole batch shares, so its tokens depend on what else is running. A turn
   submitted with a seed (the rollout's, from episode and turn) gets vLLM's
@@ -106,6 +113,8 @@ class _Turn:
     aborted: bool = False
     seed: int | None = None
     """The request seed `submit` was given (None: vLLM's shared generator)."""
+    images: list = field(default_factory=list)
+    """The prompt's images, in the order of their expansions in `prompt`."""
 
 
 class VLLMEngine:
@@ -124,9 +133,10 @@ class VLLMEngine:
     def __init__(self, model_path: str, lora, device: str = "auto", seed: int = 0, dtype: str = "auto",
                  memory_fraction: float = 0.85, kv_cache_gb: float = 0.0, max_model_len: int | None = None,
                  max_lora_rank: int = 0, max_loras: int = 2, in_flight: str = "finish", threads: int = 1,
-                 enforce_eager: bool = False, sleep_mode: bool = False) -> None:
+                 enforce_eager: bool = False, sleep_mode: bool = False, max_images: int = 32) -> None:
         """`sleep_mode`: the engine can `sleep` (colocated mode, where a learner trains on the same
-        GPU between generations); only where vLLM's platform can (CUDA), see `sleep`."""
+        GPU between generations); only where vLLM's platform can (CUDA), see `sleep`.
+        `max_images`: most images in one prompt, for a vision-language model."""
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every request at INFO
         try:
             import vllm
@@ -171,6 +181,19 @@ class VLLMEngine:
             enable_chunked_prefill=self.cuda,
             distributed_executor_backend="uni", enforce_eager=enforce_eager, disable_log_stats=True,
             enable_sleep_mode=self.sleep_mode)
+        from transformers import AutoConfig
+
+        from policy.vision import scheme_for
+
+        config = AutoConfig.from_pretrained(model_path)
+        self.scheme = scheme_for(model_path, config)
+        self._allowed = None
+        if self.scheme is not None:
+            if max_images < 1:
+                raise ValueError(f"max_images must be at least 1, got {max_images}")
+            self._args["limit_mm_per_prompt"] = {"image": max_images}
+            banned = set(self.scheme.special_ids)
+            self._allowed = [i for i in range(config.get_text_config().vocab_size) if i not in banned]
         self._shapes = adapter_shapes(model_path, lora)
         shm = Path("/dev/shm")
         self._dir = Path(tempfile.mkdtemp(prefix="tandem-lora-", dir=shm if shm.is_dir() else None))
@@ -271,14 +294,18 @@ class VLLMEngine:
         self._call(self.llm.reset_prefix_cache())
 
     # -- requests ----------------------------------------------------------------
-    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams, seed: int | None = None) -> None:
+    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams, seed: int | None = None,
+               images: list | None = None) -> None:
         """Start one turn: sample a completion of `prompt`; `collect` returns it under `key`. With
-        a `seed`, the completion depends on (engine seed, seed), not on the requests beside it."""
+        a `seed`, the completion depends on (engine seed, seed), not on the requests beside it.
+        `images`: the prompt's images, in the order of their expanded tokens."""
         if key in self._turns:
             raise ValueError(f"a turn for {key!r} is already running")
         if not prompt:
             raise ValueError("an empty prompt has nothing to continue")
-        turn = _Turn(key, list(prompt), params, seed=seed)
+        if images and self.scheme is None:
+            raise ValueError("this model is a text model and cannot see images")
+        turn = _Turn(key, list(prompt), params, seed=seed, images=list(images or []))
         self._turns[key] = turn
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._run(turn)))
 
@@ -343,7 +370,6 @@ class VLLMEngine:
         """Sample under version `v` until the turn ends or the task is cancelled (cut mode),
         appending each token with its log-prob as it streams in."""
         from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         p = turn.params
@@ -352,8 +378,9 @@ class VLLMEngine:
                              skip_special_tokens=False, ignore_eos=True,  # stop on p.stop_ids only
                              output_kind=RequestOutputKind.DELTA,
                              seed=None if turn.seed is None else stream_seed(self.seed, turn.seed, len(turn.tokens)))
-        stream = self.llm.generate(TokensPrompt(prompt_token_ids=turn.prompt + turn.tokens), sp,
-                                   f"tandem-{next(self._ids)}", lora_request=v.request)
+        if self._allowed is not None:
+            sp.allowed_token_ids = self._allowed
+        stream = self.llm.generate(self._prompt(turn), sp, f"tandem-{next(self._ids)}", lora_request=v.request)
         try:
             async for out in stream:
                 c = out.outputs[0]
@@ -368,12 +395,25 @@ class VLLMEngine:
         finally:
             await stream.aclose()  # a cut request is aborted in vLLM
 
+    def _prompt(self, turn: _Turn):
+        """vLLM's prompt for the rest of `turn`: its tokens so far, and its images (placeholders
+        collapsed, images keyed by their content)."""
+        from vllm.inputs import TokensPrompt
+
+        if not turn.images:
+            return TokensPrompt(prompt_token_ids=turn.prompt + turn.tokens)
+        from policy.vision import collapse, image_key
+
+        return TokensPrompt(prompt_token_ids=collapse(self.scheme, turn.prompt, turn.images) + turn.tokens,
+                            multi_modal_data={"image": list(turn.images)},
+                            multi_modal_uuids={"image": [image_key(i) for i in turn.images]})
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, sessions=None,
-                 seeds: list[int | None] | None = None) -> list[Completion]:
+                 seeds: list[int | None] | None = None, images: list[list] | None = None) -> list[Completion]:
         """Every prompt as its own request, all at once; returns when all have finished."""
         keys = [("generate", i) for i in range(len(prompts))]
-        for k, p, seed in zip(keys, prompts, seeds or [None] * len(prompts)):
-            self.submit(k, p, params, seed)
+        for k, p, seed, pics in zip(keys, prompts, seeds or [None] * len(prompts), images or [None] * len(prompts)):
+            self.submit(k, p, params, seed, images=pics)
         done: dict = {}
         while len(done) < len(keys):
             done.update(self.collect(timeout=1.0))
@@ -459,12 +499,13 @@ def adapter_shapes(model_path: str, lora) -> dict:
     model built on the meta device (no memory, no weights read)."""
     import torch
     from peft import get_peft_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from policy.load import with_lora
+    from policy.load import model_class, with_lora
 
+    config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        model = model_class(config).from_config(config)
     return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(with_lora(model, lora)).items()}
 
 

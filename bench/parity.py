@@ -7,11 +7,13 @@ learner's scoring of the same tokens (the policy with the adapter, a plain
 forward, `learner.losses.token_logprobs` at the same temperature) gives log π.
 Reported per engine: the mismatch KL(μ ‖ π) the learner logs
 (`learner.losses.mismatch_kl`) and the largest |log μ − log π| over all tokens.
+The image path beside it: the built-in tiny vision-language model on image-maze
+opening prompts (one picture each), scored with the pictures as the learner does.
 In float32 on CPU both should be about 1e-4 or less; in bf16 on a GPU they are
 larger, and the staleness corrections cover the difference.
 
-Ends with one JSON line: {"torch_max_abs": ..., "torch_kl": ..., "vllm_max_abs": ..., "vllm_kl": ...}
-(the vLLM keys only where vLLM is installed).
+Ends with one JSON line: {"torch_max_abs": ..., "torch_kl": ..., "torch_image_max_abs": ...,
+"torch_image_kl": ..., "vllm_max_abs": ..., ...} (the vLLM keys only where vLLM is installed).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def random_adapter(model_path: str, lora, seed: int = 0, scale: float = 0.2) -> 
 
 
 def learner_logprobs(model_path: str, lora, tensors: dict, sequences: list[list[int]],
-                     temperature: float, device: str = "cpu", dtype: str = "float32") -> list[list[float]]:
+                     temperature: float, device: str = "cpu", dtype: str = "float32",
+                     images: list[list] | None = None) -> list[list[float]]:
     """log π of every token of each sequence (entry t: of token t given the ones before; 0 at t = 0),
     scored as the learner scores: the policy with the adapter, computing in `dtype` on `device`
     (as the learner's mixed precision does: every weight, the adapter's too, cast to it), log-probs
@@ -43,32 +46,37 @@ def learner_logprobs(model_path: str, lora, tensors: dict, sequences: list[list[
 
     from learner.logprobs import model_terms
     from policy.load import load_model, with_lora
+    from policy.vision import scheme_for
 
     model = with_lora(load_model(model_path), lora).eval()
     set_peft_model_state_dict(model, tensors)
     model.to(device=device, dtype=getattr(torch, dtype))
+    scheme = scheme_for(model_path)
+    banned = scheme.special_ids if scheme is not None else ()
     out = []
     with torch.no_grad():
-        for seq in sequences:
+        for i, seq in enumerate(sequences):
             ids = torch.tensor([seq], device=device)
-            logp, _ = model_terms(model, ids, torch.ones_like(ids), temperature)
+            pixels = scheme.pixels([images[i]], device) if images is not None else None
+            logp, _ = model_terms(model, ids, torch.ones_like(ids), temperature, pixels=pixels, banned=banned)
             out.append(logp[0].tolist())
     return out
 
 
 def compare(engine, model_path: str, lora, tensors: dict, prompts: list[list[int]], params,
-            device: str = "cpu", dtype: str = "float32") -> dict:
-    """Sample `prompts` with `engine` (adapter `tensors` applied as version 1) and compare its
-    log μ with the learner's log π of the same tokens (scored in `dtype` on `device`)."""
+            device: str = "cpu", dtype: str = "float32", images: list[list] | None = None) -> dict:
+    """Sample `prompts` (with their `images`) with `engine` (adapter `tensors` applied as
+    version 1) and compare its log μ with the learner's log π of the same tokens (scored in
+    `dtype` on `device`)."""
     import torch
 
     from learner.losses import mismatch_kl
 
     if engine.version < 1:
         engine.load_adapter(1, tensors)
-    outs = engine.generate(prompts, params)
+    outs = engine.generate(prompts, params, **({"images": images} if images is not None else {}))
     scored = learner_logprobs(model_path, lora, tensors, [p + o.tokens for p, o in zip(prompts, outs)],
-                              params.temperature, device, dtype)
+                              params.temperature, device, dtype, images)
     mu = torch.tensor([lp for o in outs for lp in o.logprobs], dtype=torch.float64)
     pi = torch.tensor([s[len(p) + j] for p, o, s in zip(prompts, outs, scored) for j in range(len(o.tokens))],
                       dtype=torch.float64)
@@ -90,6 +98,20 @@ def prompts_for(chat, n: int) -> list[list[int]]:
     return out
 
 
+def image_prompts_for(chat, n: int) -> tuple[list[list[int]], list[list]]:
+    """`n` different image-maze opening prompts and their pictures (one each)."""
+    from envs.image_maze import ImageMazeEnv
+    from policy.chat import message_images
+
+    env = ImageMazeEnv()
+    prompts, images = [], []
+    for seed in range(n):
+        messages, _ = env.reset(seed=seed)
+        prompts.append(chat.prompt_ids(messages))
+        images.append(message_images(messages))
+    return prompts, images
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=32)
@@ -108,24 +130,30 @@ def main() -> None:
     from policy.load import LoraSpec
 
     torch.set_num_threads(1)
-    model_path = resolve_model("builtin:tiny")
     lora = LoraSpec()
-    chat = load_chat(model_path)
-    tensors = random_adapter(model_path, lora)
-    prompts = prompts_for(chat, args.prompts)
-    params = SamplingParams(args.tokens, chat.stop_ids, temperature=args.temperature)
     result = {}
-    for kind in args.engines.split(","):
-        if kind == "vllm" and importlib.util.find_spec("vllm") is None:
-            print("vllm: not installed, skipped")
-            continue
-        engine = make_engine(kind, model_path, lora, dtype="float32")
-        try:
-            r = compare(engine, model_path, lora, tensors, prompts, params)
-        finally:
-            engine.close()
-        print(f"{kind}: {r['tokens']} tokens, max |log μ − log π| {r['max_abs']:.2e}, mismatch KL {r['kl']:.2e}")
-        result[f"{kind}_max_abs"], result[f"{kind}_kl"] = r["max_abs"], r["kl"]
+    for path_name, builtin in (("", "builtin:tiny"), ("_image", "builtin:tiny-vlm")):
+        model_path = resolve_model(builtin)
+        chat = load_chat(model_path)
+        tensors = random_adapter(model_path, lora)
+        if chat.scheme is None:
+            prompts, images = prompts_for(chat, args.prompts), None
+        else:
+            prompts, images = image_prompts_for(chat, args.prompts)
+        params = SamplingParams(args.tokens, chat.stop_ids, temperature=args.temperature)
+        for kind in args.engines.split(","):
+            if kind == "vllm" and importlib.util.find_spec("vllm") is None:
+                print("vllm: not installed, skipped")
+                continue
+            engine = make_engine(kind, model_path, lora, dtype="float32")
+            try:
+                r = compare(engine, model_path, lora, tensors, prompts, params, images=images)
+            finally:
+                engine.close()
+            what = "images" if images is not None else "text"
+            print(f"{kind} ({what}): {r['tokens']} tokens, max |log μ − log π| {r['max_abs']:.2e}, "
+                  f"mismatch KL {r['kl']:.2e}")
+            result[f"{kind}{path_name}_max_abs"], result[f"{kind}{path_name}_kl"] = r["max_abs"], r["kl"]
     print(json.dumps(result))
 
 

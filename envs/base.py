@@ -249,6 +249,9 @@ class TextEnv(gym.Env):
     max_action_chars: int = MAX_TEXT
     """Longer model output is cut to this many characters before `_step` sees it."""
 
+    shows_images: bool = False
+    """Whether observations hold images (the launcher refuses a text model for such an environment)."""
+
     def __init__(self) -> None:
         message = gym.spaces.Dict({"role": text_space(16), "content": ContentSpace()})
         self.observation_space = gym.spaces.Sequence(message)

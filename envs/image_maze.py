@@ -75,6 +75,8 @@ class ImageMazeEnv(MazeEnv):
     image with `blank`). Resets, options and the evaluation set are `MazeEnv`'s.
     """
 
+    shows_images = True
+
     def __init__(self, size: int = 4, wall_density: float = 0.3, min_path: int = 3,
                  max_steps: int = 12, curriculum: str = "", hints: bool = False, blank: bool = False,
                  cell_px: int = 16) -> None:

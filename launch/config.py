@@ -46,6 +46,21 @@ class MazeConfig:
 
 
 @dataclass
+class ImageMazeConfig(MazeConfig):
+    """The image maze (used when --env image-maze): the maze shown as a picture every turn, the
+    text saying only the rules and what the last move did."""
+
+    hints: bool = False
+    """Add the text maze's goal / open / new lines to the text (for experiments; off: the
+    picture alone shows the state)."""
+    blank: bool = False
+    """The control: every picture is the same grey image, so only the text can be learned from."""
+
+    def kwargs(self) -> dict:
+        return {**super().kwargs(), "hints": self.hints, "blank": self.blank}
+
+
+@dataclass
 class CountdownConfig:
     """Countdown (used when --env countdown): make the target from the numbers with + - * /."""
 
@@ -153,15 +168,18 @@ class Config:
     "decoupled" (AReaL's decoupled PPO)."""
     model: str = "auto"
     """Policy: "builtin:maze" (tiny model after the maze warm start, built locally on first use),
-    "builtin:tiny" (untrained), a local Hugging Face checkpoint directory, or a Hub id (fetched once
-    by the driver into the Hugging Face cache, or read from it when HF_HUB_OFFLINE is set). "auto"
-    is builtin:maze for --env maze and builtin:tiny for any other environment."""
+    "builtin:tiny" (untrained), "builtin:vlm" (tiny vision-language model after the image-maze warm
+    start; GRPO trains LoRA on its language model, the vision tower frozen unless
+    --learner.lora.vision-tower), "builtin:tiny-vlm" (untrained), a local Hugging Face checkpoint
+    directory, or a Hub id (fetched once by the driver into the Hugging Face cache, or read from it
+    when HF_HUB_OFFLINE is set). "auto" is builtin:maze for --env maze, builtin:vlm for --env
+    image-maze and builtin:tiny for any other environment."""
     chat_template_kwargs: str = ""
     """A JSON object passed to the model's chat template at every rendering, e.g.
     '{"enable_thinking": false}' to turn Qwen3's thinking off (empty: the template's defaults)."""
     env: str = "maze"
-    """Environment to train on: maze, countdown, sql, calculator, skyrl:<id> (a skyrl-gym
-    environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
+    """Environment to train on: maze, image-maze (the maze as pictures), countdown, sql, calculator,
+    skyrl:<id> (a skyrl-gym environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
     seed: int = 0
     """Seed for task sampling, the engines' samplers and adapter initialisation."""
     ray_address: str | None = None
@@ -175,6 +193,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     maze: MazeConfig = field(default_factory=MazeConfig)
+    image_maze: ImageMazeConfig = field(default_factory=ImageMazeConfig)
     countdown: CountdownConfig = field(default_factory=CountdownConfig)
     sql: SqlConfig = field(default_factory=SqlConfig)
     calculator: CalculatorConfig = field(default_factory=CalculatorConfig)
@@ -193,7 +212,7 @@ class Config:
         self._check_template_kwargs()
         self._check_env()
         if self.model == "auto":
-            self.model = "builtin:maze" if self.env == "maze" else "builtin:tiny"
+            self.model = {"maze": "builtin:maze", "image-maze": "builtin:vlm"}.get(self.env, "builtin:tiny")
         if self.max_minutes < 0:
             raise ValueError(f"--max-minutes must be 0 (no limit) or positive, got {self.max_minutes}")
         if self.checkpoint_every < 0:
@@ -313,7 +332,7 @@ class Config:
     def env_kwargs(self) -> dict:
         """Constructor arguments of --env from its section (--maze.*, --sql.*, ...)."""
         name = "skyrl" if self.env.startswith("skyrl:") else self.env
-        section = {"maze": self.maze, "countdown": self.countdown, "sql": self.sql,
+        section = {"maze": self.maze, "image-maze": self.image_maze, "countdown": self.countdown, "sql": self.sql,
                    "calculator": self.calculator, "skyrl": self.skyrl}.get(name)
         return section.kwargs() if section is not None else {}
 

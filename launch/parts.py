@@ -27,16 +27,36 @@ from launch.config import Config
 
 def resolve_policy(cfg: Config) -> str:
     """The directory of the model `--model` names, which every part loads (a Hub id's snapshot in
-    the Hugging Face cache; policy.load.resolve_model); the maze warm start (`builtin:maze`) is
-    built first if it is not cached yet. ModelNotFound (a ValueError) says what to do when there
+    the Hugging Face cache; policy.load.resolve_model); a warm start (`builtin:maze`,
+    `builtin:vlm`) is built first if it is not cached yet. ModelNotFound (a ValueError) says what to do when there
     is none."""
-    if cfg.model == "builtin:maze":
-        from launch.warmstart import ensure_warmstart
+    from launch.warmstart import WARM_STARTS, ensure_warmstart
 
-        return ensure_warmstart(log=lambda m: print(m, flush=True))
-    from policy import resolve_model
+    built = {name: env for env, (name, _) in WARM_STARTS.items()}
+    if cfg.model in built:
+        path = ensure_warmstart(log=lambda m: print(m, flush=True), env=built[cfg.model])
+    else:
+        from policy import resolve_model
 
-    return resolve_model(cfg.model)
+        path = resolve_model(cfg.model)
+    check_sees_images(cfg, path)
+    return path
+
+
+def check_sees_images(cfg: Config, model_path: str) -> None:
+    """ValueError, before any part starts, when --env shows pictures and --model cannot see them."""
+    import gymnasium as gym
+    from gymnasium.envs.registration import load_env_creator
+    from transformers import AutoConfig
+
+    from envs import env_entry
+    from policy.vision import is_vision
+
+    env_cls = gym.registry[env_entry(cfg.env)].entry_point
+    env_cls = load_env_creator(env_cls) if isinstance(env_cls, str) else env_cls
+    if getattr(env_cls, "shows_images", False) and not is_vision(AutoConfig.from_pretrained(model_path)):
+        raise ValueError(f"--env {cfg.env} shows pictures, but --model {cfg.model} is a text model: use a "
+                         "vision-language model (builtin:vlm, or a Hugging Face one such as an Idefics3/SmolVLM)")
 
 
 def learner_gpus(cfg: Config) -> float:

@@ -1,8 +1,11 @@
-"""The supervised warm start of the default experiment (`builtin:maze`).
+"""The supervised warm starts of the default experiments (`builtin:maze`, `builtin:vlm`).
 
 The published run this experiment mirrors starts GRPO from an SFT checkpoint
 that solves 43.75% of its 64 evaluation mazes. Tandem stands that checkpoint in
-with a short supervised run of the built-in tiny model, built once and cached.
+with a short supervised run of a built-in tiny model, built once and cached: the
+tiny decoder on the text maze (`builtin:maze`), the tiny vision-language model on
+the image maze (`builtin:vlm`, `--env image-maze`; every parameter trained, the
+vision tower too, and the same demonstrations with their pictures).
 
 Design decisions:
 - Demonstrations are BFS-oracle episodes of training mazes, rendered with
@@ -36,8 +39,11 @@ from pathlib import Path
 
 from policy.load import BUILTIN_DIRS
 
+WARM_STARTS = {"maze": ("builtin:maze", "builtin:tiny"), "image-maze": ("builtin:vlm", "builtin:tiny-vlm")}
+"""For each environment with a warm start: (the built-in it becomes, the built-in it starts from)."""
+
 NAME = BUILTIN_DIRS["builtin:maze"]
-"""Directory name of the warm start under `policy.cache.cache_dir()`."""
+"""Directory name of the text maze's warm start under `policy.cache.cache_dir()`."""
 
 VAL_SEED = 777
 """Seed of the validation mazes (disjoint from `envs.maze.MAZE64_SEED`)."""
@@ -68,8 +74,8 @@ class WarmstartConfig:
     """Tokens per model turn at evaluation (a move word and the stop token)."""
 
 
-def demonstration(env, chat, seed: int, noise: float) -> tuple[list[int], list[int]]:
-    """One oracle episode of the maze `env.reset(seed=seed)` as (tokens, loss mask).
+def demonstration(env, chat, seed: int, noise: float) -> tuple[list[int], list[int], list]:
+    """One oracle episode of the maze `env.reset(seed=seed)` as (tokens, loss mask, images).
 
     Each turn the oracle's move (a first move of a shortest path from where the
     agent stands) is the target; with probability `noise` a random move is
@@ -79,11 +85,12 @@ def demonstration(env, chat, seed: int, noise: float) -> tuple[list[int], list[i
     import random
 
     from envs.maze import MOVES, shortest_path
+    from policy.chat import message_images
 
     rng, stop = random.Random(seed), chat.stop_ids[0]
     messages, _ = env.reset(seed=seed)
     tokens = chat.prompt_ids(messages)
-    mask = [0] * len(tokens)
+    mask, images = [0] * len(tokens), message_images(messages)
     while True:
         oracle = rng.random() >= noise
         move = (shortest_path(env.maze, env.pos) or ["up"])[0] if oracle else rng.choice(list(MOVES))
@@ -96,40 +103,43 @@ def demonstration(env, chat, seed: int, noise: float) -> tuple[list[int], list[i
         obs_ids = chat.observation_ids(obs)
         tokens += obs_ids
         mask += [0] * len(obs_ids)
-    return tokens, mask
+        images += message_images(obs)
+    return tokens, mask, images
 
 
-def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
+def _collate(examples: list[tuple[list[int], list[int], list]], pad_id: int, scheme=None):
+    """(ids [B, T], mask [B, T], pixel inputs) of demonstrations (`scheme`: the image scheme)."""
     import torch
 
-    width = max(len(t) for t, _ in examples)
+    width = max(len(t) for t, _, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # [B, T]
     mask = torch.zeros((len(examples), width))  # [B, T]
-    for i, (tokens, m) in enumerate(examples):
+    for i, (tokens, m, _) in enumerate(examples):
         ids[i, : len(tokens)] = torch.tensor(tokens)
         mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
-    return ids, mask
+    pixels = scheme.pixels([images for _, _, images in examples]) if scheme is not None else {}
+    return ids, mask, pixels
 
 
-def sft_loss(model, ids, mask):
+def sft_loss(model, ids, mask, pixels=None):
     """Mean negative log-likelihood of the mask-1 tokens (next-token prediction)."""
     from learner.losses import token_logprobs
 
-    logp = token_logprobs(model(input_ids=ids).logits, ids)  # [B, T], entry t = log p(ids[:, t])
+    logits = model(input_ids=ids, **(pixels or {})).logits
+    logp = token_logprobs(logits, ids)  # [B, T], entry t = log p(ids[:, t])
     return -(logp * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def greedy_success(path: str, tasks: list[dict], cfg: WarmstartConfig) -> float:
-    """Greedy success of the checkpoint at `path` on `tasks`, through the actors' code."""
+def greedy_success(path: str, tasks: list[dict], cfg: WarmstartConfig, env: str = "maze") -> float:
+    """Greedy success of the checkpoint at `path` on `tasks` of `env`, through the actors' code."""
     from actors.torch_engine import TorchEngine
     from actors.rollout import evaluate
     from envs import make_env
-    from policy.chat import Chat
-    from policy.load import LoraSpec, load_tokenizer
+    from policy.load import LoraSpec, load_chat
 
     engine = TorchEngine(path, LoraSpec(rank=1))  # a fresh adapter is the identity
     try:
-        result = evaluate(engine, Chat(load_tokenizer(path)), lambda: make_env("maze"), tasks,
+        result = evaluate(engine, load_chat(path), lambda: make_env(env), tasks,
                           cfg.max_new_tokens, max_tokens=2048)
     finally:
         engine.close()
@@ -137,19 +147,19 @@ def greedy_success(path: str, tasks: list[dict], cfg: WarmstartConfig) -> float:
 
 
 def build(out: Path, seed: int = 0, cfg: WarmstartConfig = WarmstartConfig(),
-          log: Callable[[str], None] = print) -> float:
-    """Train the warm start and save it at `out` (a new directory); returns validation success."""
+          log: Callable[[str], None] = print, env_name: str = "maze") -> float:
+    """Train the warm start of `env_name` and save it at `out` (a new directory); returns
+    validation success."""
     import torch
 
     from envs import make_env
-    from policy.chat import Chat
-    from policy.load import load_model, load_tokenizer, resolve_model
+    from policy.load import load_chat, load_model, resolve_model
 
     torch.manual_seed(seed)
-    base = resolve_model("builtin:tiny")
-    tokenizer = load_tokenizer(base)
-    chat, model = Chat(tokenizer), load_model(base)
-    env = make_env("maze")
+    base = resolve_model(WARM_STARTS[env_name][1])
+    chat, model = load_chat(base), load_model(base)
+    tokenizer = chat.tokenizer
+    env = make_env(env_name)
     val = env.eval_tasks(VAL_SEED, cfg.val_size)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     next_seed, success, start = TRAIN_SEED + seed * 10_000_000, 0.0, time.time()
@@ -157,7 +167,7 @@ def build(out: Path, seed: int = 0, cfg: WarmstartConfig = WarmstartConfig(),
         batch = [demonstration(env, chat, next_seed + i, cfg.noise) for i in range(cfg.batch)]
         next_seed += cfg.batch
         model.train()
-        loss = sft_loss(model, *_collate(batch, tokenizer.pad_token_id))
+        loss = sft_loss(model, *_collate(batch, tokenizer.pad_token_id, chat.scheme))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -166,8 +176,8 @@ def build(out: Path, seed: int = 0, cfg: WarmstartConfig = WarmstartConfig(),
             continue
         model.eval()
         model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        success = greedy_success(str(out), val, cfg)
+        _save_processing(base, tokenizer, out)
+        success = greedy_success(str(out), val, cfg, env_name)
         log(f"warm start: step {step} loss {loss.item():.3f} validation success {success:.1%} "
             f"({time.time() - start:.0f}s)")
         if success >= cfg.target:
@@ -178,18 +188,38 @@ def build(out: Path, seed: int = 0, cfg: WarmstartConfig = WarmstartConfig(),
     return success
 
 
+def _save_processing(base: str, tokenizer, out: Path) -> None:
+    """The tokenizer (and a vision-language model's processor) beside the weights at `out`."""
+    from policy.vision import is_vision
+    from transformers import AutoConfig, AutoProcessor
+
+    if is_vision(AutoConfig.from_pretrained(base)):
+        AutoProcessor.from_pretrained(base).save_pretrained(out)
+    else:
+        tokenizer.save_pretrained(out)
+
+
 def ensure_warmstart(path: str | os.PathLike | None = None, seed: int = 0,
-                     log: Callable[[str], None] = print) -> str:
-    """The warm-start checkpoint directory, built on first use (see policy/cache.py: atomic, and
-    one builder at a time however many launchers start together)."""
+                     log: Callable[[str], None] = print, env: str = "maze") -> str:
+    """The warm-start checkpoint directory of `env` (a key of WARM_STARTS), built on first use
+    (see policy/cache.py: atomic, and one builder at a time however many launchers start together)."""
     from policy.cache import build_once, cache_dir
 
-    final = Path(path) if path is not None else cache_dir() / NAME
-    return str(build_once(final, lambda tmp: build(tmp, seed=seed, log=log),
+    if env not in WARM_STARTS:
+        raise ValueError(f"no warm start for --env {env!r}; there is one for {', '.join(WARM_STARTS)}")
+    final = Path(path) if path is not None else cache_dir() / BUILTIN_DIRS[WARM_STARTS[env][0]]
+    return str(build_once(final, lambda tmp: build(tmp, seed=seed, log=log, env_name=env),
                           log=lambda message: log(f"warm start: {message}")))
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m launch.warmstart",
+                                     description="Build (once) and score a built-in warm start.")
+    parser.add_argument("--env", default="maze", choices=list(WARM_STARTS),
+                        help="the maze (builtin:maze) or the image maze (builtin:vlm)")
+    args = parser.parse_args()
     import torch
 
     from envs import make_env
@@ -197,10 +227,10 @@ def main() -> None:
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     start = time.time()
-    path = ensure_warmstart()
+    path = ensure_warmstart(env=args.env)
     built = time.time() - start
-    score = greedy_success(path, make_env("maze").eval_tasks(MAZE64_SEED, 64), WarmstartConfig())
-    print(f"warm start at {path}: maze-64 greedy success {score:.1%} ({built:.0f}s to build or find)")
+    score = greedy_success(path, make_env(args.env).eval_tasks(MAZE64_SEED, 64), WarmstartConfig(), args.env)
+    print(f"warm start at {path}: {args.env}-64 greedy success {score:.1%} ({built:.0f}s to build or find)")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,16 @@ def image_tokens(scheme: ImageScheme, image: np.ndarray) -> int:
     return scheme.expansion(image).count(scheme.image_token_id)
 
 
+def image_key(image: np.ndarray) -> str:
+    """A content hash of `image` (its size and pixels): engines key their caches on it."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(image.shape, dtype=np.int64).tobytes())
+    h.update(np.ascontiguousarray(image).tobytes())
+    return h.hexdigest()
+
+
 def _find(seq: list[int], sub: list[int], start: int) -> int:
     first, n = sub[0], len(sub)
     for j in range(start, len(seq) - n + 1):

@@ -81,6 +81,27 @@ def test_built_in_environment_runs(env, tiny_model):
     check(stats, metrics)
 
 
+def test_the_image_maze_runs_with_a_vision_language_policy(tiny_vlm):
+    """`--env image-maze` with a vision-language model: pictures from the environment through
+    the actor's engine and replay to the learner, whose adapter (language model only) the actor
+    applies."""
+    cfg = config("image-maze", "--image-maze.max-steps", "4")
+    assert cfg.model == "builtin:vlm" and cfg.env_kwargs()["max_steps"] == 4
+    stats, metrics = play_and_train(cfg, tiny_vlm)
+    check(stats, metrics)
+
+
+def test_a_text_model_is_refused_for_the_image_maze_before_anything_starts(tiny_model, tiny_vlm):
+    """A text model cannot see pictures: the launcher stops at once with what to use instead,
+    rather than playing the maze blind."""
+    from launch.parts import check_sees_images
+
+    with pytest.raises(ValueError, match="text model"):
+        check_sees_images(config("image-maze", "--model", tiny_model), tiny_model)
+    check_sees_images(config("image-maze", "--model", tiny_vlm), tiny_vlm)
+    check_sees_images(config("maze", "--model", tiny_vlm), tiny_vlm)  # a VLM plays text tasks too
+
+
 def test_skyrl_gym_environment_runs(tmp_path, tiny_model):
     pytest.importorskip("skyrl_gym")
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}? End with '#### <answer>'."}],

@@ -124,3 +124,46 @@ def test_a_colocated_rank_plays_its_share_then_trains_on_it_strictly_on_policy(t
     assert stats["received_groups"] == 12 and not sum(stats["dropped"].values()) and stats["queue_groups"] == 0
     errors = sum(r["stats"].get("finish/env_error", 0) for r in results.values())
     assert errors > 0  # environments failed, and the run went on
+
+
+def _image_rank(rank, url, model_path, endpoint, out):
+    import torch
+
+    from actors.actor import ActorConfig
+    from envs import make_env
+    from launch.colocate import Colocated
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+    from policy.load import load_chat
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    learner = Learner(LearnerConfig(lr=1e-3, groups_per_step=4), model_path, rank, 2, url,
+                      ZmqLearnerReplay(endpoint), temperature=0.7)
+    try:
+        learner.setup()
+        colocated = Colocated(learner, ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=4),
+                              load_chat(model_path), lambda: make_env("image-maze", max_steps=4),
+                              ZmqActorReplay(endpoint, actor=f"learner-{rank}"), share=2, seed=rank)
+        learner.before_step = colocated.generate
+        learner.run(2)
+        out.put((rank, dict(metrics=learner.drain_metrics(), stats=colocated.stats(), version=learner.version)))
+    finally:
+        learner.close()
+
+
+def test_a_colocated_vision_language_rank_plays_the_image_maze_on_its_own_model(tiny_vlm):
+    """`--colocate --env image-maze`: each rank's engine is its own sharded VLM (gathered to
+    generate), the pictures go through replay with the groups, and every step is on policy."""
+    server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=0, num_shards=2), "tcp://127.0.0.1:*")
+    endpoint = server.start()
+    try:
+        results = _spawn(_image_rank, tiny_vlm, endpoint)
+        stats = server.buffer.snapshot()
+    finally:
+        server.stop()
+    for r in results.values():
+        assert r["version"] == 2 and [m["step"] for m in r["metrics"]] == [1, 2]
+        assert all(m["staleness_max"] == 0.0 and np.isfinite(m["loss"]) for m in r["metrics"])
+        assert r["stats"].get("finish/env_error", 0) == 0, r["stats"]
+    assert stats["received_groups"] == 8 and stats["queue_groups"] == 0
