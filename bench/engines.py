@@ -1,4 +1,5 @@
-"""`python -m bench.engines`: trajectories per second of each engine on the maze, same run.
+"""`python -m bench.engines`: trajectories per second of each engine on the maze, same run,
+for the text maze and the image maze.
 
 One actor (the real `actors.actor.Actor`, default settings: 4 groups of 8 in
 flight) plays the maze with the built-in maze policy through a LoRA adapter
@@ -8,9 +9,12 @@ the same seeds. Replay is a stand-in that grants every credit at once and
 notes when each group is pushed, so the figure is the actor's own rate. The
 first `--warmup` groups an engine pushes are not timed (engine start,
 warm-up); the rate is over the `--groups` pushed after them. Run it alone: the
-engine's processes and the environments' threads share the machine.
+engine's processes and the environments' threads share the machine. The image
+path is the same with the image maze and the built-in vision-language warm start
+(`builtin:vlm`): each turn's picture goes to the engine with its tokens.
 
-Ends with one JSON line: {"traj_per_s_torch": ..., "traj_per_s_vllm": ..., "ratio": vllm / torch}.
+Ends with one JSON line: {"traj_per_s_torch": ..., "traj_per_s_vllm": ..., "ratio": vllm / torch,
+"traj_per_s_torch_image": ..., "traj_per_s_vllm_image": ..., "ratio_image": ...}.
 """
 
 from __future__ import annotations
@@ -66,8 +70,8 @@ class _Weights:
         return self.adapter
 
 
-def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int) -> float:
-    """Trajectories per second of one actor with engine `kind` over `groups` timed groups."""
+def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int, env: str = "maze") -> float:
+    """Trajectories per second of one actor with engine `kind` on `env` over `groups` timed groups."""
     from actors.actor import Actor, ActorConfig
     from actors.engines import make_engine
     from bench.parity import random_adapter
@@ -87,7 +91,7 @@ def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int) -> flo
         chat = load_chat(model_path)
         kwargs = cfg.env_kwargs()
         replay = _Replay()
-        actor = Actor(actor_cfg, kind, engine, chat, lambda: make_env("maze", **kwargs), replay,
+        actor = Actor(actor_cfg, kind, engine, chat, lambda: make_env(env, **kwargs), replay,
                       _Weights(Adapter(1, model_path, cfg.learner.lora.to_dict(), adapter)), seed=seed)
         actor.run(threading.Event(), max_groups=warmup + groups)
         (t0, _), timed = replay.pushed[warmup - 1], replay.pushed[warmup:]
@@ -102,6 +106,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8, help="untimed groups per engine first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engines", default="torch,vllm")
+    parser.add_argument("--envs", default="maze,image-maze", help="the text maze, the image maze, or both")
     args = parser.parse_args()
 
     import torch
@@ -109,14 +114,16 @@ def main() -> None:
     from launch.warmstart import ensure_warmstart
 
     torch.set_num_threads(1)
-    model_path = ensure_warmstart(log=print)
     result = {}
-    for kind in args.engines.split(","):
-        r = rate(kind, model_path, args.warmup, args.groups, args.seed)
-        print(f"{kind}: {r:.1f} trajectories/s over {args.groups} groups", flush=True)
-        result[f"traj_per_s_{kind}"] = round(r, 2)
-    if "traj_per_s_torch" in result and "traj_per_s_vllm" in result:
-        result["ratio"] = round(result["traj_per_s_vllm"] / result["traj_per_s_torch"], 3)
+    for env in args.envs.split(","):
+        model_path = ensure_warmstart(log=print, env=env)
+        tail = "_image" if env == "image-maze" else ""
+        for kind in args.engines.split(","):
+            r = rate(kind, model_path, args.warmup, args.groups, args.seed, env)
+            print(f"{kind} ({env}): {r:.1f} trajectories/s over {args.groups} groups", flush=True)
+            result[f"traj_per_s_{kind}{tail}"] = round(r, 2)
+        if f"traj_per_s_torch{tail}" in result and f"traj_per_s_vllm{tail}" in result:
+            result[f"ratio{tail}"] = round(result[f"traj_per_s_vllm{tail}"] / result[f"traj_per_s_torch{tail}"], 3)
     print(json.dumps(result))
 
 

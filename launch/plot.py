@@ -1,7 +1,8 @@
 """`python -m launch.plot <logdir> [--out curve.png]`: draw the training curve from TensorBoard events.
 
-Reads the scalars the launcher wrote and plots maze-64 success (greedy) against
-learner steps, with the rollout reward beside it.
+Reads the scalars the launcher wrote and plots the evaluation set's success (greedy) against
+learner steps, with the rollout reward beside it; the labels name the run's environment and
+parts, from the config.json it was started with.
 """
 
 from __future__ import annotations
@@ -30,6 +31,21 @@ class PlotArgs:
     """Where to write the PNG."""
 
 
+def _labels(logdir: str) -> tuple[str, str]:
+    """(the evaluation set's name, the title) of the run in `logdir`."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(logdir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "evaluation", "Tandem: GRPO"
+    env, n = cfg.get("env", "maze"), cfg.get("eval_episodes", 64)
+    parts = (f"{cfg.get('learners', 1)} colocated learners" if cfg.get("colocate")
+             else f"{cfg.get('actors', 1)} actors + {cfg.get('learners', 1)} learners")
+    return f"{env}-{n}", f"Tandem: {cfg.get('algo', 'grpo').upper()} on {env}, {parts}"
+
+
 def main(args: PlotArgs) -> None:
     try:
         import matplotlib
@@ -42,9 +58,10 @@ def main(args: PlotArgs) -> None:
     scalars = read_scalars(args.logdir)
     if "eval/success_rate" not in scalars:
         raise SystemExit(f"error: no eval/success_rate scalars under {args.logdir}")
+    evaluation, title = _labels(args.logdir)
     fig, ax = plt.subplots(figsize=(7, 4))
     steps, success = zip(*scalars["eval/success_rate"])
-    ax.plot(steps, [100 * s for s in success], "o-", label="maze-64 success, greedy (%)")
+    ax.plot(steps, [100 * s for s in success], "o-", label=f"{evaluation} success, greedy (%)")
     if "rollout/reward_mean" in scalars:
         rs, rv = zip(*scalars["rollout/reward_mean"])
         ax.plot(rs, [100 * v for v in rv], alpha=0.5, label="training reward, sampled (%)")
@@ -53,7 +70,7 @@ def main(args: PlotArgs) -> None:
     ax.set_ylabel("%")
     ax.set_ylim(0, 100)
     ax.legend(loc="lower right")
-    ax.set_title("Tandem: GRPO on the maze, 6 actors + 2 learners on 2 CPU cores")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")

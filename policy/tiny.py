@@ -11,7 +11,7 @@ tokens, and its template renders an image part of a message as `<image>`.
 The vision-language model is sized for the image maze: a 64×64 picture (16 px a cell of a
 4×4 maze) in patches of 16 px gives 16 image tokens, one a cell (no pixel shuffle); a 4-layer
 vision tower of width 128 works out each cell's surroundings, and the text model is the tiny
-policy's decoder (~1.6 M parameters in all). Measured: with a 2-layer vision tower of width 64
+policy's decoder (~1.45 M parameters in all). Measured: with a 2-layer vision tower of width 64
 (patches of 8 px, shuffled by 2) the supervised warm start stayed at chance on the moves after
 140 steps (docs/vision.md).
 """

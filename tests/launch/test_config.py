@@ -16,7 +16,7 @@ from replay.server import ReplayConfig
 @pytest.mark.parametrize("kwargs, message", [
     ({"actors": 0}, "--actors must be at least 1"),
     ({"learners": 0}, "--learners must be at least 1"),
-    ({"env": "chess"}, "--env: unknown environment 'chess'; choose one of maze, countdown, sql"),
+    ({"env": "chess"}, "--env: unknown environment 'chess'; choose one of maze, image-maze, countdown, sql"),
     ({"env": "skyrl:gsm8k"}, "--env skyrl:gsm8k needs --skyrl.tasks"),
     ({"env": "skyrl:gsm8k", "skyrl": SkyrlConfig(tasks="/no/such.jsonl")}, "--skyrl.tasks '/no/such.jsonl': no such file"),
     ({"env": "os:path"}, "is not a TextEnv subclass"),
@@ -128,8 +128,9 @@ def test_a_config_made_in_code_with_a_value_outside_a_choice_names_the_flag_and_
 
 
 def test_help_lists_every_choice_and_the_command_line_refuses_others():
+    # one column of help, wide enough that no list of choices wraps
     run = subprocess.run([sys.executable, "-m", "launch.async", "--help"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "COLUMNS": "400"})
+                         env={**os.environ, "COLUMNS": "120"})
     assert run.returncode == 0
     for flag, choices in choice_fields():
         assert f"{flag} {{{','.join(choices)}}}" in run.stdout, flag

@@ -77,6 +77,31 @@ def test_async_run_with_vllm_actors(tmp_path):
     assert max(v for _, v in scalars["async/staleness_max"]) <= 1  # η = 1, versions recorded per token
 
 
+def test_an_image_maze_run_trains_a_vision_language_policy_on_pictures(tmp_path):
+    """`--env image-maze` with two actors and two FSDP learner ranks (the vision layers sharded
+    too): pictures through replay to the learner, its adapter back to the actors, evaluation on
+    image-maze-64's first mazes, and launch.eval of the saved adapter, which adapts the language
+    model only. The untrained tiny VLM keeps the job short (the warm start, builtin:vlm, is the
+    default and is measured in docs/vision.md)."""
+    logdir = tmp_path / "image-maze"
+    run = launch("--env", "image-maze", "--model", "builtin:tiny-vlm", "--actors", "2", "--learners", "2",
+                 "--steps", "3", "--eval-episodes", "8", "--logdir", str(logdir))
+    assert "done: 3 steps" in run.stdout
+    scalars = read_scalars(str(logdir))
+    for tag in REQUIRED:
+        assert tag in scalars, f"{tag} missing from TensorBoard events"
+    assert [s for s, _ in scalars["learner/loss"]] == [1, 2, 3]
+    # step 1 trains on groups of version 0 (staleness 0): the learner scores exactly what the engine saw
+    assert scalars["async/staleness_max"][0] == (1, 0.0) and scalars["learner/mismatch_kl"][0][1] < 1e-6
+    assert scalars.get("rollout/finished_env_error", [(0, 0.0)])[-1][1] == 0
+    saved = (logdir / "adapter" / "adapter_config.json").read_text()
+    assert "vision_model" in saved and b"vision_model" not in (logdir / "adapter" / "adapter_model.safetensors").read_bytes()
+    ev = subprocess.run([sys.executable, "-m", "launch.eval", str(logdir / "adapter"), "--env", "image-maze",
+                         "--episodes", "4"], capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert json.loads(ev.stdout.strip().splitlines()[-1])["episodes"] == 4
+
+
 def test_colocated_run_is_strictly_on_policy(tmp_path):
     """Each learner rank generates its share of the batch with its own model, then trains."""
     logdir = tmp_path / "colocate"

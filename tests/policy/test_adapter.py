@@ -94,3 +94,33 @@ def test_a_directory_that_is_not_an_adapter_says_what_is_missing(tmp_path):
         read_adapter(tmp_path)
     with pytest.raises(ValueError, match="no tensors"):
         write_adapter(tmp_path / "empty", {}, LoraSpec(rank=1), "base", 1)
+
+
+@pytest.mark.parametrize("vision_tower", [False, True])
+def test_a_vision_language_adapter_reads_back_with_the_modules_it_adapts(tiny_vlm, vision_tower, tmp_path):
+    """On a vision-language model the saved config excludes the vision side (unless it was
+    trained too), so PEFT loads adapters on exactly the modules that were trained, and reading
+    the adapter back gives the spec it was trained with."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    spec = LoraSpec(rank=4, vision_tower=vision_tower)
+    model, tensors = _trained(tiny_vlm, spec)
+    write_adapter(tmp_path, tensors, spec, tiny_vlm, 2)
+    got = read_adapter(tmp_path).lora_spec()
+    assert (got.rank, got.alpha, got.vision_tower) == (spec.rank, spec.alpha, vision_tower)
+    loaded = PeftModel.from_pretrained(load_model(tiny_vlm), str(tmp_path))
+    adapted = {n for n, m in loaded.named_modules() if isinstance(m, LoraLayer)}
+    assert adapted == {n for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert any(".vision_model." in n for n in adapted) == vision_tower
+
+
+def test_an_adapter_excluding_other_modules_is_refused(tiny_vlm, tmp_path):
+    spec = LoraSpec(rank=4)
+    _, tensors = _trained(tiny_vlm, spec)
+    write_adapter(tmp_path, tensors, spec, tiny_vlm, 1)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    config["exclude_modules"] = ".*mlp.*"
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="exclude_modules"):
+        read_adapter(tmp_path).lora_spec()
