@@ -20,8 +20,8 @@ learning-rate schedule go by it); `version` numbers the adapters published. They
 until a fault: a learner group that goes back to a checkpoint of step s loses the steps after it
 (their data was trained on and is not served again), while versions published since then were
 seen by actors and TensorBoard. So the group resumes at step s and publishes the checkpoint's
-adapter as a new version, one above the highest ever published: versions only go up, and no
-number ever names two different adapters.
+adapter as a new version, one above the highest ever published or recorded as trained
+(`highest_version`): versions only go up, and no number ever names two different adapters.
 
 Usage (every rank)::
 
@@ -80,6 +80,19 @@ class Checkpoints:
         """Rank 0, after each publish: the run's highest version, written atomically."""
         self.root.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.root / "published", f"{version}\n")
+
+    def highest_version(self) -> int:
+        """The highest version this run has named: published, or recorded as made by a trained
+        step (a step is recorded before its adapter is published, so a run killed between the
+        two has a version in its trained records that it never published; it is not reused)."""
+        highest = self.published()
+        for path in (self.run_dir / "trained").glob("rank-*.jsonl"):
+            for line in path.read_text().splitlines():
+                try:
+                    highest = max(highest, int(json.loads(line)["version"]))
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line torn by the kill: its step was not recorded
+        return highest
 
     def record_trained(self, rank: int, step: int, version: int, group_ids: list[str]) -> None:
         """Which groups rank `rank` trained on at `step` (the adapter it made is `version`)."""

@@ -151,7 +151,7 @@ class Learner:
         path = self.checkpoints.latest()
         meta = self.checkpoints.load(self, path) if path is not None else {"step": 0, "version": 0}
         self.steps_done = int(meta["step"])
-        self.version = resume_version(int(meta["version"]), self.checkpoints.published())
+        self.version = resume_version(int(meta["version"]), self.checkpoints.highest_version())
 
     def state_dicts(self) -> tuple[dict, dict]:
         """(trainable parameters, optimizer state) as torch.distributed.checkpoint saves them:

@@ -135,6 +135,21 @@ def test_resume_versions_never_name_two_adapters():
     assert resume_version(saved=0, published=0) == 0
 
 
+def test_a_version_recorded_as_trained_but_never_published_is_not_reused(tmp_path):
+    """A run killed after a step was recorded as trained and before its adapter was published
+    (`record_trained`, then `_publish`): the trained records name a version above the published
+    one, and a resumed group goes on above both."""
+    ckpt = Checkpoints(tmp_path)
+    ckpt.record_published(3)
+    for rank in (0, 1):
+        for step in (1, 2, 3, 4):
+            ckpt.record_trained(rank, step, step, [f"g{rank}{step}"])
+    with open(tmp_path / "trained" / "rank-1.jsonl", "a") as f:
+        f.write('{"version": 9, "st')  # a line torn by the kill
+    assert ckpt.published() == 3 and ckpt.highest_version() == 4
+    assert resume_version(saved=3, published=ckpt.highest_version()) == 5
+
+
 def test_an_unreadable_checkpoint_is_refused_with_its_path(tmp_path):
     (tmp_path / "checkpoints" / "step-000003").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step-000004.tmp").mkdir()  # unfinished: never a checkpoint
