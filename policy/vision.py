@@ -23,10 +23,15 @@ Design decisions:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
+
+
+PIXEL_CACHE_BYTES = 64 << 20
+"""Bytes of processed pixels a scheme keeps per process (least recently used dropped first)."""
 
 
 class VisionError(ValueError):
@@ -136,6 +141,8 @@ class Idefics3Scheme:
         self.special_ids = tuple(sorted({i for i in ids if i is not None and i != tok.unk_token_id}))
         self._tok = tok
         self._cache: dict[tuple[int, int], list[int]] = {}
+        self._tiles_cache: OrderedDict[str, tuple] = OrderedDict()
+        self._cached_bytes = 0
 
     def expansion(self, image: np.ndarray) -> list[int]:
         h, w = image.shape[:2]
@@ -145,13 +152,32 @@ class Idefics3Scheme:
             self._cache[(h, w)] = list(self._tok(text, add_special_tokens=False)["input_ids"])
         return list(self._cache[(h, w)])
 
+    def _tiles(self, image: np.ndarray):
+        """(pixel_values [tiles, C, H, W], pixel_attention_mask [tiles, H, W]) of one image, from
+        the image processor, kept in a cache of PIXEL_CACHE_BYTES keyed by content: the learner
+        scores each picture in several passes a step, and the processor is the slow part."""
+        key = image_key(image)
+        if key in self._tiles_cache:
+            self._tiles_cache.move_to_end(key)
+            return self._tiles_cache[key]
+        out = self.image_processor([[image]], return_tensors="pt")
+        tiles = (out["pixel_values"][0], out["pixel_attention_mask"][0])
+        size = sum(t.numel() * t.element_size() for t in tiles)
+        if size <= PIXEL_CACHE_BYTES:
+            self._tiles_cache[key] = tiles
+            self._cached_bytes += size
+            while self._cached_bytes > PIXEL_CACHE_BYTES:
+                _, old = self._tiles_cache.popitem(last=False)
+                self._cached_bytes -= sum(t.numel() * t.element_size() for t in old)
+        return tiles
+
     def pixels(self, rows: Sequence[Sequence[np.ndarray]], device: Any = "cpu") -> dict:
         import torch
 
         per_row = []
         for images in rows:
-            tiles = [self.image_processor([[img]], return_tensors="pt") for img in images]
-            per_row.append(([t["pixel_values"][0] for t in tiles], [t["pixel_attention_mask"][0] for t in tiles]))
+            tiles = [self._tiles(img) for img in images]
+            per_row.append(([v for v, _ in tiles], [m for _, m in tiles]))
         if not any(values for values, _ in per_row):
             return {}
         flat = [v for values, _ in per_row for v in values]

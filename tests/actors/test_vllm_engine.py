@@ -330,15 +330,6 @@ def _alive(proc) -> bool:
         return False
 
 
-def test_a_vllm_older_than_the_logprob_semantics_is_refused():
-    from actors.vllm_engine import check_vllm_version
-
-    check_vllm_version("0.10.2")
-    check_vllm_version("0.32.0+cpu")
-    with pytest.raises(RuntimeError, match="before temperature"):
-        check_vllm_version("0.10.1.1")
-
-
 @pytest.mark.gpu
 def test_on_a_gpu_the_engine_sleeps_while_a_learner_trains_and_wakes_as_it_was(tiny_model, chat):
     """Colocated vLLM on a GPU: asleep, the engine gives back its KV cache and weights' GPU

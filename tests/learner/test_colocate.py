@@ -70,9 +70,19 @@ def test_each_rank_generates_with_its_own_model_then_trains(tiny_model):
         assert np.isfinite(r["loss"]) and r["training"]
 
 
-def _loop_rank(rank, url, model_path, endpoint, out):
+def _flaky_maze(rank: int):
+    """Environments of which one in four raises mid-episode (seeded by `rank`)."""
     import random
 
+    from envs import make_env
+    from tests.actors.test_isolation import Echo
+
+    rng = random.Random(rank)
+    return lambda: Echo("step-raise") if rng.random() < 0.25 else make_env("maze", max_steps=4)
+
+
+def _loop_rank(rank, url, model_path, endpoint, env: str, steps: int, out):
+    """A colocated rank: it plays its share of each step's groups on its own model, then trains."""
     import torch
 
     from actors.actor import ActorConfig
@@ -80,27 +90,20 @@ def _loop_rank(rank, url, model_path, endpoint, out):
     from launch.colocate import Colocated
     from learner.config import LearnerConfig
     from learner.trainer import Learner
-    from policy.chat import Chat
-    from policy.load import load_tokenizer
-    from tests.actors.test_isolation import Echo
+    from policy.load import load_chat
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = LearnerConfig(lr=1e-3, groups_per_step=4)
-    learner = Learner(cfg, model_path, rank, 2, url, ZmqLearnerReplay(endpoint), temperature=0.7)
-    rng = random.Random(rank)
-
-    def flaky_env():  # one environment in four raises mid-episode
-        return Echo("step-raise") if rng.random() < 0.25 else make_env("maze", max_steps=4)
-
+    learner = Learner(LearnerConfig(lr=1e-3, groups_per_step=4), model_path, rank, 2, url,
+                      ZmqLearnerReplay(endpoint), temperature=0.7)
+    envs = _flaky_maze(rank) if env == "flaky-maze" else (lambda: make_env(env, max_steps=4))
     try:
         learner.setup()
-        actor_cfg = ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=4)
-        replay = ZmqActorReplay(endpoint, actor=f"learner-{rank}")
-        colocated = Colocated(learner, actor_cfg, Chat(load_tokenizer(model_path)), flaky_env, replay, share=2,
-                              seed=rank)
+        colocated = Colocated(learner, ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=4),
+                              load_chat(model_path), envs, ZmqActorReplay(endpoint, actor=f"learner-{rank}"),
+                              share=2, seed=rank)
         learner.before_step = colocated.generate
-        learner.run(3)
+        learner.run(steps)
         out.put((rank, dict(metrics=learner.drain_metrics(), stats=colocated.stats(), version=learner.version)))
     finally:
         learner.close()
@@ -110,7 +113,7 @@ def test_a_colocated_rank_plays_its_share_then_trains_on_it_strictly_on_policy(t
     server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=0, num_shards=2), "tcp://127.0.0.1:*")
     endpoint = server.start()
     try:
-        results = _spawn(_loop_rank, tiny_model, endpoint)
+        results = _spawn(_loop_rank, tiny_model, endpoint, "flaky-maze", 3)
         stats = server.buffer.snapshot()
     finally:
         server.stop()
@@ -126,39 +129,13 @@ def test_a_colocated_rank_plays_its_share_then_trains_on_it_strictly_on_policy(t
     assert errors > 0  # environments failed, and the run went on
 
 
-def _image_rank(rank, url, model_path, endpoint, out):
-    import torch
-
-    from actors.actor import ActorConfig
-    from envs import make_env
-    from launch.colocate import Colocated
-    from learner.config import LearnerConfig
-    from learner.trainer import Learner
-    from policy.load import load_chat
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    learner = Learner(LearnerConfig(lr=1e-3, groups_per_step=4), model_path, rank, 2, url,
-                      ZmqLearnerReplay(endpoint), temperature=0.7)
-    try:
-        learner.setup()
-        colocated = Colocated(learner, ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=4),
-                              load_chat(model_path), lambda: make_env("image-maze", max_steps=4),
-                              ZmqActorReplay(endpoint, actor=f"learner-{rank}"), share=2, seed=rank)
-        learner.before_step = colocated.generate
-        learner.run(2)
-        out.put((rank, dict(metrics=learner.drain_metrics(), stats=colocated.stats(), version=learner.version)))
-    finally:
-        learner.close()
-
-
 def test_a_colocated_vision_language_rank_plays_the_image_maze_on_its_own_model(tiny_vlm):
     """`--colocate --env image-maze`: each rank's engine is its own sharded VLM (gathered to
     generate), the pictures go through replay with the groups, and every step is on policy."""
     server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=0, num_shards=2), "tcp://127.0.0.1:*")
     endpoint = server.start()
     try:
-        results = _spawn(_image_rank, tiny_vlm, endpoint)
+        results = _spawn(_loop_rank, tiny_vlm, endpoint, "image-maze", 2)
         stats = server.buffer.snapshot()
     finally:
         server.stop()

@@ -74,3 +74,23 @@ def test_a_vision_language_adapter_leaves_the_vision_tower_alone(tiny_vlm):
 
 def test_a_text_model_has_no_scheme(tiny_model):
     assert scheme_for(tiny_model) is None
+
+
+def test_cached_pixels_equal_the_processors_and_the_cache_stays_bounded(vlm_chat, monkeypatch):
+    """Score the same pictures twice, as the learner does in one step: the second call's pixels
+    (from the cache) equal the first's, and the cache never holds more than its byte budget."""
+    import policy.vision as vision
+
+    scheme = vlm_chat.scheme
+    rows = [[picture(10), picture(11)], [picture(11)]]
+    first = scheme.pixels(rows)
+    again = scheme.pixels(rows)
+    for name in first:
+        torch.testing.assert_close(first[name], again[name], rtol=0, atol=0)
+    one = sum(t.numel() * t.element_size() for t in scheme._tiles(picture(12)))
+    monkeypatch.setattr(vision, "PIXEL_CACHE_BYTES", 3 * one)
+    for seed in range(20, 30):
+        scheme.pixels([[picture(seed)]])
+        assert scheme._cached_bytes <= 3 * one
+    fresh = scheme.image_processor([[picture(29)]], return_tensors="pt")["pixel_values"][0]
+    torch.testing.assert_close(scheme.pixels([[picture(29)]])["pixel_values"][0], fresh, rtol=0, atol=0)
