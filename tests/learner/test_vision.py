@@ -1,7 +1,6 @@
 """A vision-language learner: two FSDP ranks over gloo train on image-maze episodes that the
 torch engine played, scoring exactly the tokens and pictures the engine saw."""
 
-import multiprocessing as mp
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ from replay.buffer import ReplayBuffer
 from replay.server import ReplayServer
 from replay.wire import Group
 from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
-from tests.learner.test_fsdp import _port
+from tests.learner.test_model import _spawn
 
 TEMPERATURE = 0.7
 
@@ -44,7 +43,7 @@ def _image_groups(model: str, n: int) -> list[Group]:
         engine.close()
 
 
-def _rank(rank, model, endpoint, url, groups, algo, out):
+def _rank(rank, url, model, endpoint, groups, algo, out):
     import torch
 
     from learner.batch import collate
@@ -69,7 +68,7 @@ def _rank(rank, model, endpoint, url, groups, algo, out):
         gap = float((logp - behaviour)[mask].abs().max())
         blind_gap = float((blind - behaviour)[mask].abs().max())
         metrics = learner.step()
-        out.put((rank, gap, blind_gap, metrics, sorted(learner.adapter_tensors())))
+        out.put((rank, (gap, blind_gap, metrics, sorted(learner.adapter_tensors()))))
     finally:
         learner.close()
 
@@ -87,16 +86,7 @@ def test_two_ranks_score_image_episodes_as_the_engine_sampled_them_and_train(tin
         client = ZmqActorReplay(endpoint, actor="actor-0")
         for g in groups[2:]:
             client.push(g)
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        url = f"tcp://127.0.0.1:{_port()}"
-        procs = [ctx.Process(target=_rank, args=(r, tiny_vlm, endpoint, url, groups[:2], algo, out)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        results = {r: rest for r, *rest in (out.get(timeout=240) for _ in procs)}
-        for p in procs:
-            p.join(60)
-        assert [p.exitcode for p in procs] == [0, 0], "a rank aborted at exit"
+        results = _spawn(_rank, tiny_vlm, endpoint, groups[:2], algo)
     finally:
         server.stop()
     for gap, blind_gap, metrics, names in results.values():
