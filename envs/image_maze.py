@@ -95,7 +95,7 @@ class ImageMazeEnv(MazeEnv):
         assert self.maze is not None
         lines = [RULES, status] if status == "start" else [status]
         if self.hints:
-            lines.append(self._hints())
+            lines.append(self.hint_lines())
         if self.blank:
             h, w = self.maze.shape
             picture = np.full((h * self.cell_px, w * self.cell_px, 3), BLANK, np.uint8)

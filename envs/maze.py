@@ -220,8 +220,8 @@ class MazeEnv(TextEnv):
         sizes = [s for start, s in self.curriculum if start <= version]
         return sizes[-1] if sizes else self.size
 
-    def _hints(self) -> str:
-        """The goal, open and new lines (see the module docstring)."""
+    def hint_lines(self) -> str:
+        """The goal, open and new lines of the current state (see the module docstring)."""
         assert self.maze is not None
         targets = {m: (self.pos[0] + dr, self.pos[1] + dc) for m, (dr, dc) in MOVES.items()}
         open_moves = [m for m, cell in targets.items() if self.maze.open(*cell)]
@@ -231,7 +231,7 @@ class MazeEnv(TextEnv):
 
     def _observe(self, status: str) -> str:
         assert self.maze is not None
-        return f"{status}\n{self._hints()}\n{self.maze.render(self.pos)}"
+        return f"{status}\n{self.hint_lines()}\n{self.maze.render(self.pos)}"
 
     def _step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.maze is None:

@@ -26,6 +26,13 @@ Design decisions:
   Hugging Face format, into a private temporary directory renamed into place,
   one builder at a time; a launcher that starts while another builds waits for
   it, and none ever reads half a checkpoint.
+- A vision-language model learns to see first. The published run starts from a pretrained
+  VLM that already reads a picture; the tiny one starts blind, and from demonstrations alone it
+  barely learns where the walls are (docs/vision.md). So the image maze's warm start begins with
+  a perception stage: one picture of a training maze partway through a random walk, the user
+  text `look`, and as the reply the text maze's goal / open / new lines for that state (what the
+  picture shows, in words), until greedy replies are exactly right on `perception_target` of a
+  validation set of pictures. The demonstrations follow, and stop in the same 35-55% band.
 - Deterministic given `seed`: one torch seed, one seed range of mazes.
 """
 
@@ -47,6 +54,12 @@ NAME = BUILTIN_DIRS["builtin:maze"]
 
 VAL_SEED = 777
 """Seed of the validation mazes (disjoint from `envs.maze.MAZE64_SEED`)."""
+
+LOOK = "look"
+"""The user's text of a perception exercise: the reply says what the picture shows."""
+
+LOOK_VAL_SEED = 5_000_000
+"""First reset seed of the perception stage's validation pictures (training seeds are below it)."""
 
 TRAIN_SEED = 1_000_000
 """First reset seed of the training stream (seed s + i for the i-th demonstration)."""
@@ -72,6 +85,13 @@ class WarmstartConfig:
     still wall loops."""
     max_new_tokens: int = 4
     """Tokens per model turn at evaluation (a move word and the stop token)."""
+    perception_target: float = 0.9
+    """Image maze: the perception stage ends once greedy replies to `look` are exactly right on
+    this share of the validation pictures (0 = no perception stage)."""
+    perception_max_steps: int = 2000
+    """Image maze: the perception stage ends after this many steps whatever its score."""
+    perception_val_size: int = 256
+    """Image maze: validation pictures of the perception stage."""
 
 
 def demonstration(env, chat, seed: int, noise: float) -> tuple[list[int], list[int], list]:
@@ -107,6 +127,44 @@ def demonstration(env, chat, seed: int, noise: float) -> tuple[list[int], list[i
     return tokens, mask, images
 
 
+def description(env, chat, seed: int) -> tuple[list[int], list[int], list]:
+    """One perception exercise of the image maze as (tokens, loss mask, images): the picture of
+    the maze `env.reset(seed=seed)` after up to `max_steps // 2` random moves (so pictures show
+    trails, and the agent anywhere), under the user text `LOOK`; the reply (loss mask 1) is the
+    text maze's goal / open / new lines of that state, closed by the stop token."""
+    import random
+
+    from envs.maze import MOVES
+    from policy.chat import message_images
+
+    rng = random.Random(seed)
+    messages, _ = env.reset(seed=seed)
+    for _ in range(rng.randrange(env.max_steps // 2 + 1)):
+        messages, _, terminated, _, _ = env.step(rng.choice(list(MOVES)))
+        if terminated:
+            break
+    picture = message_images(messages)[-1]
+    look = [{"role": "user", "content": [{"type": "text", "text": LOOK}, {"type": "image", "image": picture}]}]
+    prompt = chat.prompt_ids(look)
+    reply = chat.tokenizer.encode(env.hint_lines(), add_special_tokens=False) + [chat.stop_ids[0]]
+    return prompt + reply, [0] * len(prompt) + [1] * len(reply), [picture]
+
+
+def exact_replies(model, examples, pad_id: int, scheme=None) -> float:
+    """Share of `examples` whose every loss-mask-1 token is the model's most likely next token
+    (the image placeholders, which are never sampled, left out): greedy decoding writes those
+    replies exactly."""
+    import torch
+
+    ids, mask, pixels = _collate(examples, pad_id, scheme)
+    with torch.no_grad():
+        logits = model(input_ids=ids, **pixels).logits[:, :-1]  # [B, T-1, V]
+    if scheme is not None:
+        logits[..., list(scheme.special_ids)] = float("-inf")
+    right = (logits.argmax(-1) == ids[:, 1:]) | (mask[:, 1:] == 0)  # [B, T-1]
+    return right.all(1).float().mean().item()
+
+
 def _collate(examples: list[tuple[list[int], list[int], list]], pad_id: int, scheme=None):
     """(ids [B, T], mask [B, T], pixel inputs) of demonstrations (`scheme`: the image scheme)."""
     import torch
@@ -128,6 +186,40 @@ def sft_loss(model, ids, mask, pixels=None):
     logits = model(input_ids=ids, **(pixels or {})).logits
     logp = token_logprobs(logits, ids)  # [B, T], entry t = log p(ids[:, t])
     return -(logp * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _train_step(model, opt, examples, pad_id: int, scheme=None) -> float:
+    """One full-parameter AdamW step on `examples`; returns the loss."""
+    import torch
+
+    model.train()
+    loss = sft_loss(model, *_collate(examples, pad_id, scheme))
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+def perceive(model, opt, env, chat, cfg: WarmstartConfig, first_seed: int,
+             log: Callable[[str], None] = print) -> float:
+    """The perception stage: `description` exercises until greedy replies are exactly right on
+    `cfg.perception_target` of the validation pictures; returns that share."""
+    pad, scheme = chat.tokenizer.pad_token_id, chat.scheme
+    val = [description(env, chat, LOOK_VAL_SEED + i) for i in range(cfg.perception_val_size)]
+    start, seed, score = time.time(), first_seed, 0.0
+    for step in range(1, cfg.perception_max_steps + 1):
+        loss = _train_step(model, opt, [description(env, chat, seed + i) for i in range(cfg.batch)], pad, scheme)
+        seed += cfg.batch
+        if step % 50 and step < cfg.perception_max_steps:
+            continue
+        model.eval()
+        score = exact_replies(model, val, pad, scheme)
+        log(f"warm start: perception step {step} loss {loss:.3f} replies exactly right {score:.1%} "
+            f"({time.time() - start:.0f}s)")
+        if score >= cfg.perception_target:
+            break
+    return score
 
 
 def greedy_success(path: str, tasks: list[dict], cfg: WarmstartConfig, env: str = "maze") -> float:
@@ -163,22 +255,20 @@ def build(out: Path, seed: int = 0, cfg: WarmstartConfig = WarmstartConfig(),
     val = env.eval_tasks(VAL_SEED, cfg.val_size)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     next_seed, success, start = TRAIN_SEED + seed * 10_000_000, 0.0, time.time()
+    if getattr(env, "shows_images", False) and cfg.perception_target > 0:
+        # Seeds of its own (below LOOK_VAL_SEED), apart from the demonstrations'.
+        perceive(model, opt, env, chat, cfg, seed * 1_000_000, log)
     for step in range(1, cfg.max_steps + 1):
         batch = [demonstration(env, chat, next_seed + i, cfg.noise) for i in range(cfg.batch)]
         next_seed += cfg.batch
-        model.train()
-        loss = sft_loss(model, *_collate(batch, tokenizer.pad_token_id, chat.scheme))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = _train_step(model, opt, batch, tokenizer.pad_token_id, chat.scheme)
         if step % cfg.eval_every and step < cfg.max_steps:
             continue
         model.eval()
         model.save_pretrained(out)
         _save_processing(base, tokenizer, out)
         success = greedy_success(str(out), val, cfg, env_name)
-        log(f"warm start: step {step} loss {loss.item():.3f} validation success {success:.1%} "
+        log(f"warm start: step {step} loss {loss:.3f} validation success {success:.1%} "
             f"({time.time() - start:.0f}s)")
         if success >= cfg.target:
             break

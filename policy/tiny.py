@@ -52,6 +52,10 @@ IMAGE_SIZE = 64
 VISION = {"patch": 16, "scale": 1, "layers": 4, "hidden": 128}
 """The vision tower: patch side (px), pixel-shuffle scale factor, layers and width."""
 
+POSITION_SCALE = 0.3
+"""Std of the vision tower's initial position embeddings (`grid_positions`): about that of its
+patch embedding's output for pictures in [-1, 1]."""
+
 
 def build_tokenizer(vision: bool = False):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -126,7 +130,32 @@ def build_vlm(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4, see
         text_config=text, scale_factor=vision["scale"], image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, use_cache=True)
     torch.manual_seed(seed)
-    return Idefics3ForConditionalGeneration(config)
+    model = Idefics3ForConditionalGeneration(config)
+    # Idefics3 initialises position embeddings at std 0.02, a tenth of what the patch embedding
+    # gives the cells' colours, so a tower trained from scratch hardly sees where a patch is;
+    # grid positions at the colours' scale let it relate a cell to its neighbours at once.
+    embeddings = model.model.vision_model.embeddings
+    with torch.no_grad():
+        embeddings.position_embedding.weight.copy_(
+            grid_positions(IMAGE_SIZE // vision["patch"], vision["hidden"], POSITION_SCALE))
+    return model
+
+
+def grid_positions(side: int, dim: int, scale: float):
+    """2-D sine-cosine position embeddings of a side×side grid of patches, [side², dim] (MAE's):
+    half the channels encode the row, half the column, each at dim/4 frequencies, scaled to std
+    `scale`. A patch's offset to another is then a fixed linear map of its embedding, so attention
+    can find "the patch above" from the first step."""
+    import torch
+
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    freq = 1.0 / 10000 ** (torch.arange(dim // 4) / (dim // 4))  # [dim/4]
+    parts = []
+    for coord in (rows.reshape(-1), cols.reshape(-1)):
+        angle = coord[:, None].float() * freq[None, :]  # [side², dim/4]
+        parts += [angle.sin(), angle.cos()]
+    table = torch.cat(parts, dim=1)  # [side², dim]
+    return table / table.std() * scale
 
 
 def build_processor(tokenizer, vision: dict = VISION):

@@ -156,6 +156,9 @@ class Idefics3Scheme:
         """(pixel_values [tiles, C, H, W], pixel_attention_mask [tiles, H, W]) of one image, from
         the image processor, kept in a cache of PIXEL_CACHE_BYTES keyed by content: the learner
         scores each picture in several passes a step, and the processor is the slow part."""
+        fast = self._direct(image)
+        if fast is not None:
+            return fast
         key = image_key(image)
         if key in self._tiles_cache:
             self._tiles_cache.move_to_end(key)
@@ -170,6 +173,27 @@ class Idefics3Scheme:
                 _, old = self._tiles_cache.popitem(last=False)
                 self._cached_bytes -= sum(t.numel() * t.element_size() for t in old)
         return tiles
+
+    def _direct(self, image: np.ndarray):
+        """The image processor's output for `image` computed in numpy, where the processor only
+        rescales and normalises (with its own functions): no tiles, and a picture already of the
+        vision encoder's size, so its resizes are the identity (the built-in model's 64×64
+        pictures; tests pin the result to the processor's). None elsewhere. A step of the image maze processes ~1,000 pictures,
+        at 1.5 ms each through the processor and a few microseconds here."""
+        import torch
+
+        ip = self.image_processor
+        side = ip.max_image_size["longest_edge"]
+        if (ip.do_image_splitting or image.shape != (side, side, 3) or image.dtype != np.uint8
+                or ip.size.get("longest_edge") != side):
+            return None
+        x = np.ascontiguousarray(image.transpose(2, 0, 1))  # [C, H, W], as the processor holds it
+        if ip.do_rescale:
+            x = ip.rescale(x, ip.rescale_factor)
+        if ip.do_normalize:
+            x = ip.normalize(x, ip.image_mean, ip.image_std)
+        values = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))[None]  # [1, C, H, W]
+        return values, torch.ones((1, side, side), dtype=torch.long)
 
     def pixels(self, rows: Sequence[Sequence[np.ndarray]], device: Any = "cpu") -> dict:
         import torch

@@ -78,11 +78,16 @@ def test_a_text_model_has_no_scheme(tiny_model):
 
 def test_cached_pixels_equal_the_processors_and_the_cache_stays_bounded(vlm_chat, monkeypatch):
     """Score the same pictures twice, as the learner does in one step: the second call's pixels
-    (from the cache) equal the first's, and the cache never holds more than its byte budget."""
+    (from the cache) equal the first's, and the cache never holds more than its byte budget.
+    Pictures of 48 px, which the processor resizes, take the cached path."""
     import policy.vision as vision
+
+    def picture(seed):
+        return np.random.default_rng(seed).integers(0, 256, (48, 48, 3), dtype=np.uint8)
 
     scheme = vlm_chat.scheme
     rows = [[picture(10), picture(11)], [picture(11)]]
+    assert scheme._direct(picture(10)) is None
     first = scheme.pixels(rows)
     again = scheme.pixels(rows)
     for name in first:
@@ -94,3 +99,40 @@ def test_cached_pixels_equal_the_processors_and_the_cache_stays_bounded(vlm_chat
         assert scheme._cached_bytes <= 3 * one
     fresh = scheme.image_processor([[picture(29)]], return_tensors="pt")["pixel_values"][0]
     torch.testing.assert_close(scheme.pixels([[picture(29)]])["pixel_values"][0], fresh, rtol=0, atol=0)
+
+
+def test_pictures_of_the_encoders_size_skip_the_processor_with_the_same_pixels(vlm_chat):
+    """The image maze's pictures (and any 64×64 picture) are rescaled and normalised without the
+    processor's resizes: bit for bit the processor's pixels; other sizes go through it."""
+    from envs.image_maze import ImageMazeEnv
+
+    scheme = vlm_chat.scheme
+    env = ImageMazeEnv()
+    pictures = [picture(seed) for seed in range(5)]
+    pictures += [env.reset(seed=seed)[0][0]["content"][1]["image"] for seed in range(5)]
+    pictures += [np.zeros((64, 64, 3), np.uint8), np.full((64, 64, 3), 255, np.uint8)]
+    for image in pictures:
+        theirs = scheme.image_processor([[image]], return_tensors="pt")
+        values, mask = scheme._direct(image)
+        torch.testing.assert_close(values, theirs["pixel_values"][0], rtol=0, atol=0)
+        torch.testing.assert_close(mask, theirs["pixel_attention_mask"][0], rtol=0, atol=0)
+    ours = scheme.pixels([pictures[:3], pictures[3:4]])
+    theirs = scheme.image_processor([pictures[:3], pictures[3:4]], return_tensors="pt")
+    for name in ("pixel_values", "pixel_attention_mask"):
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
+    for other in (picture(0, 32), picture(0, 128), picture(0, 64)[:, :48], picture(0, 64).astype(np.float32)):
+        assert scheme._direct(other) is None
+
+
+def test_the_tiny_vlms_vision_tower_starts_knowing_where_each_patch_is(tiny_vlm):
+    """Its position embeddings are the 2-D grid's sines and cosines at the patch embedding's scale,
+    so each patch's row and column are there before any training."""
+    from policy.tiny import IMAGE_SIZE, POSITION_SCALE, VISION, grid_positions
+
+    side = IMAGE_SIZE // VISION["patch"]
+    table = grid_positions(side, VISION["hidden"], POSITION_SCALE)
+    assert table.shape == (side * side, VISION["hidden"])
+    assert abs(table.std().item() - POSITION_SCALE) < 1e-4
+    assert len({tuple(row) for row in table.tolist()}) == side * side  # every patch its own
+    model = load_model(tiny_vlm)
+    torch.testing.assert_close(model.model.vision_model.embeddings.position_embedding.weight, table)

@@ -1,0 +1,73 @@
+"""The image maze's warm start, as the launcher builds it: its perception exercises say in words
+exactly what their picture shows, and its score counts only replies greedy decoding would write."""
+
+import numpy as np
+import pytest
+import torch
+
+from envs.image_maze import ImageMazeEnv, render_image
+from envs.maze import MazeEnv
+from launch.warmstart import LOOK, WarmstartConfig, _train_step, description, exact_replies, perceive
+
+
+def test_a_description_is_the_text_mazes_lines_for_the_state_in_its_picture(vlm_chat):
+    env, text = ImageMazeEnv(), MazeEnv()
+    walked = 0
+    for seed in range(40):
+        tokens, mask, images = description(env, vlm_chat, seed)
+        assert len(tokens) == len(mask) and len(images) == 1
+        reply = [t for t, m in zip(tokens, mask) if m]
+        assert mask == [0] * (len(tokens) - len(reply)) + [1] * len(reply)
+        assert reply[-1] == vlm_chat.stop_ids[0]
+        # the picture is the state the reply describes ...
+        np.testing.assert_array_equal(images[0], render_image(env.maze, env.pos, env.visited))
+        lines = vlm_chat.decode(reply[:-1])
+        assert lines == env.hint_lines()
+        # ... worded as the text maze words that state
+        text.reset(options={"maze": env.maze})
+        text.pos, text.visited = env.pos, env.visited
+        assert lines == text.hint_lines()
+        walked += env.pos != env.maze.start
+        prompt = tokens[: len(tokens) - len(reply)]
+        picture = [{"role": "user", "content": [{"type": "text", "text": LOOK}, {"type": "image", "image": images[0]}]}]
+        assert prompt == vlm_chat.prompt_ids(picture)
+    assert walked > 10  # most pictures show the agent away from its start, with a trail
+    assert description(env, vlm_chat, 3)[0] == description(env, vlm_chat, 3)[0]
+
+
+def test_exact_replies_count_a_reply_only_when_every_token_is_the_models_first_choice(tiny_vlm, vlm_chat):
+    """Train the untrained tiny VLM on one exercise until it writes it: its score on that exercise
+    goes from 0 to 1, and stays 0 on exercises it has not learned."""
+    from policy.load import load_model
+
+    torch.manual_seed(0)
+    model = load_model(tiny_vlm)
+    pad, scheme = vlm_chat.tokenizer.pad_token_id, vlm_chat.scheme
+    env = ImageMazeEnv()
+    one = [description(env, vlm_chat, 1)]
+    assert exact_replies(model, one, pad, scheme) == 0.0
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(60):
+        _train_step(model, opt, one, pad, scheme)
+        model.eval()
+        if exact_replies(model, one, pad, scheme) == 1.0:
+            break
+    assert exact_replies(model, one, pad, scheme) == 1.0
+    others = [description(env, vlm_chat, seed) for seed in range(100, 108)]
+    others = [o for o in others if o[0][-12:] != one[0][0][-12:]]  # a different reply
+    assert exact_replies(model, others, pad, scheme) < 1.0
+
+
+@pytest.mark.parametrize("target, budget, last", [(0.0, 60, 50), (1.1, 3, 3)])
+def test_the_perception_stage_stops_at_its_target_or_its_step_budget(tiny_vlm, vlm_chat, target, budget, last):
+    """Scored every 50 steps and at the last: a target already met stops it at step 50, one that
+    cannot be met runs it to its budget."""
+    from policy.load import load_model
+
+    model = load_model(tiny_vlm)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = WarmstartConfig(batch=2, perception_max_steps=budget, perception_val_size=4, perception_target=target)
+    lines: list[str] = []
+    score = perceive(model, opt, ImageMazeEnv(), vlm_chat, cfg, first_seed=0, log=lines.append)
+    assert 0.0 <= score <= 1.0
+    assert len(lines) == 1 and f"perception step {last} " in lines[0]
