@@ -167,9 +167,10 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
     return model.to(device)
 
 
-VISION_TOWER = r".*\.(vision_model|connector)(\..*)?"
+VISION_TOWER = r".*\.(vision_model|connector|visual)(\..*)?"
 """PEFT's `exclude_modules` for a vision-language model whose vision side stays frozen: the
-vision tower and the connector (module names as PEFT sees them; Idefics3's layout)."""
+vision tower and the connector (module names as PEFT sees them: Idefics3's `vision_model` and
+`connector`; Qwen-VL's `visual`, which holds its merger too)."""
 
 
 @dataclass
