@@ -1,7 +1,7 @@
 """Tiny Qwen2.5-VL and Qwen3-VL models with random weights, saved in Hugging Face format.
 
-Each is the family's own transformers architecture at toy size (vision depth 2 of width 32, a
-2-layer text model of width 64), with the local tokenizer of tests/policy/templates.py (the
+Each is the family's own transformers architecture at toy size (vision depth 2 of width 64, a
+2-layer text model of width 64; heads of 32, a size every vLLM attention backend takes), with the local tokenizer of tests/policy/templates.py (the
 Qwen2.5-VL chat template and the Qwen-VL special tokens) and the family's PIL image processor,
 so `scheme_for` and `load_model` load them as they load real checkpoints. Nothing is downloaded.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 """Config `model_type`s of the families built here."""
 
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=4096)
-MROPE = [2, 3, 3]
-"""Rotary pairs for time, height and width: head_dim 16 has 8."""
+MROPE = [4, 6, 6]
+"""Rotary pairs for time, height and width: head_dim 32 has 16."""
 
 IMAGE_PROCESSOR = {
     # Qwen2.5-VL: 14-px patches, merged 2×2, CLIP's normalisation (the published defaults)
@@ -38,7 +38,7 @@ def build_config(family: str, tokenizer):
                   tie_word_embeddings=True)
     text = dict(TEXT, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=TEXT["hidden_size"],
                   patch_size=IMAGE_PROCESSOR[family]["patch_size"], spatial_merge_size=2, temporal_patch_size=2)
     if family == "qwen2_5_vl":
         return Qwen2_5_VLConfig(
@@ -47,7 +47,7 @@ def build_config(family: str, tokenizer):
             vision_config=dict(vision, window_size=56, fullatt_block_indexes=[1]), **common)
     if family == "qwen3_vl":
         return Qwen3VLConfig(
-            text_config=dict(text, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+            text_config=dict(text, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                  "mrope_section": MROPE,
                                                                  "mrope_interleaved": True}),
             vision_config=dict(vision, num_position_embeddings=64, deepstack_visual_indexes=[0]), **common)
