@@ -55,9 +55,9 @@ def vlm_chat(tiny_vlm):
     return load_chat(tiny_vlm)
 
 
-@pytest.fixture(scope="session", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def qwen_vl(request, tmp_path_factory) -> str:
-    """A tiny Qwen2.5-VL / Qwen3-VL with random weights in Hugging Face format (tests/policy/qwen_vl.py)."""
+    """A tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL with random weights in Hugging Face format (tests/policy/qwen_vl.py)."""
     import torch
 
     from tests.policy.qwen_vl import save_qwen_vl

@@ -283,7 +283,7 @@ def _full_qwen_logprobs(engine, prompt, images, generated):
 
 
 def test_qwen_image_episodes_match_a_full_forward_across_turns(qwen_vl, qwen_vl_chat):
-    """Qwen2.5-VL / Qwen3-VL (M-RoPE): two image episodes play three turns in the kept KV cache,
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL (M-RoPE): two image episodes play three turns in the kept KV cache,
     a third joins at the second turn and another leaves after it, pictures of two sizes; every
     sampled log-prob equals a plain forward over the whole episode with all its pictures."""
     from tests.policy.test_qwen_vl import picture

@@ -1,4 +1,4 @@
-"""vLLM with Qwen2.5-VL and Qwen3-VL pictures (GPU only: vLLM's CPU build here cannot import its
+"""vLLM with Qwen2-VL, Qwen2.5-VL and Qwen3-VL pictures (GPU only: vLLM's CPU build here cannot import its
 Qwen-VL modules without torchvision). The tiny random models of tests/policy/qwen_vl.py; one
 engine a family."""
 

@@ -84,7 +84,7 @@ def test_two_ranks_score_image_episodes_as_the_engine_sampled_them_and_train(tin
 
 @pytest.mark.slow  # ~25 s a family: two ranks, and the engine's episodes first
 def test_two_ranks_score_qwen_image_episodes_as_the_engine_sampled_them_and_train(qwen_vl):
-    """The same for Qwen2.5-VL and Qwen3-VL: the learner passes the rows' M-RoPE positions, its
+    """The same for the Qwen-VL families: the learner passes the rows' M-RoPE positions, its
     FSDP units include the vision tower's blocks, and the engine's multi-turn image episodes
     (its cache kept across turns) score as they were sampled."""
     _score_and_train(qwen_vl, "grpo", ".language_model.")

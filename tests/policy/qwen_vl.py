@@ -1,4 +1,4 @@
-"""Tiny Qwen2.5-VL and Qwen3-VL models with random weights, saved in Hugging Face format.
+"""Tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL models with random weights, saved in Hugging Face format.
 
 Each is the family's own transformers architecture at toy size (vision depth 2 of width 64, a
 2-layer text model of width 64; heads of 32, a size every vLLM attention backend takes), with the local tokenizer of tests/policy/templates.py (the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """Config `model_type`s of the families built here."""
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -19,7 +19,9 @@ MROPE = [4, 6, 6]
 """Rotary pairs for time, height and width: head_dim 32 has 16."""
 
 IMAGE_PROCESSOR = {
-    # Qwen2.5-VL: 14-px patches, merged 2×2, CLIP's normalisation (the published defaults)
+    "qwen2_vl": dict(patch_size=14, merge_size=2, temporal_patch_size=2,
+                     size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 64}),
+    # Qwen2-VL and Qwen2.5-VL: 14-px patches, merged 2×2, CLIP's normalisation (the published defaults)
     "qwen2_5_vl": dict(patch_size=14, merge_size=2, temporal_patch_size=2,
                        size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 64}),
     # Qwen3-VL: 16-px patches, merged 2×2, normalised to [-1, 1]
@@ -29,7 +31,7 @@ IMAGE_PROCESSOR = {
 
 
 def build_config(family: str, tokenizer):
-    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in
            ("image_pad", "video_pad", "vision_start", "vision_end")}
@@ -40,6 +42,12 @@ def build_config(family: str, tokenizer):
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=TEXT["hidden_size"],
                   patch_size=IMAGE_PROCESSOR[family]["patch_size"], spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_vl":  # its vision width is `embed_dim`, its output width `hidden_size`
+        return Qwen2VLConfig(
+            text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "mrope_section": MROPE}),
+            vision_config=dict(depth=2, embed_dim=64, hidden_size=TEXT["hidden_size"], mlp_ratio=2, num_heads=2,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2), **common)
     if family == "qwen2_5_vl":
         return Qwen2_5_VLConfig(
             text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,

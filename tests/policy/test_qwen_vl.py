@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen3-VL images in the token stream: Tandem's expansion, pixels and M-RoPE
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL images in the token stream: Tandem's expansion, pixels and M-RoPE
 positions against the family's Hugging Face processor and model (tiny random models built in
 tests/policy/qwen_vl.py, the published Qwen2.5-VL chat template)."""
 
@@ -23,12 +23,13 @@ def processor(path: str, monkeypatch):
     """The family's own processor around its PIL image processor. Its constructor checks the
     video processor's class, which needs torchvision (absent here); no video is processed, so
     that check is skipped."""
-    from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
+    from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.processing_utils import ProcessorMixin
 
     monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
-    cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[AutoConfig.from_pretrained(path).model_type]
+    family = AutoConfig.from_pretrained(path).model_type
+    cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
     tok = AutoTokenizer.from_pretrained(path)
     return cls(image_processor=Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer=tok, video_processor=None,
                chat_template=tok.chat_template)
