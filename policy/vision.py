@@ -132,6 +132,36 @@ def image_key(image: np.ndarray) -> str:
     return h.hexdigest()
 
 
+class _PixelCache:
+    """An image processor's output per image, keyed by content, at most PIXEL_CACHE_BYTES of
+    tensors (least recently used dropped first): the learner scores each picture in several
+    passes a step, and the processor is the slow part."""
+
+    def __init__(self, process) -> None:
+        self.process = process  # image -> a tuple of tensors and plain values
+        self.items: OrderedDict[str, tuple] = OrderedDict()
+        self.bytes = 0
+
+    @staticmethod
+    def _size(value: tuple) -> int:
+        return sum(t.numel() * t.element_size() for t in value if hasattr(t, "element_size"))
+
+    def __call__(self, image: np.ndarray) -> tuple:
+        key = image_key(image)
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = self.process(image)
+        size = self._size(value)
+        if size <= PIXEL_CACHE_BYTES:
+            self.items[key] = value
+            self.bytes += size
+            while self.bytes > PIXEL_CACHE_BYTES:
+                _, old = self.items.popitem(last=False)
+                self.bytes -= self._size(old)
+        return value
+
+
 def _find(seq: list[int], sub: list[int], start: int) -> int:
     first, n = sub[0], len(sub)
     for j in range(start, len(seq) - n + 1):
@@ -157,8 +187,7 @@ class Idefics3Scheme:
         self.special_ids = tuple(sorted({i for i in ids if i is not None and i != tok.unk_token_id}))
         self._tok = tok
         self._cache: dict[tuple[int, int], list[int]] = {}
-        self._tiles_cache: OrderedDict[str, tuple] = OrderedDict()
-        self._cached_bytes = 0
+        self._tiles = _PixelCache(self._process)
 
     def expansion(self, image: np.ndarray) -> list[int]:
         h, w = image.shape[:2]
@@ -168,24 +197,10 @@ class Idefics3Scheme:
             self._cache[(h, w)] = list(self._tok(text, add_special_tokens=False)["input_ids"])
         return list(self._cache[(h, w)])
 
-    def _tiles(self, image: np.ndarray):
-        """(pixel_values [tiles, C, H, W], pixel_attention_mask [tiles, H, W]) of one image, from
-        the image processor, kept in a cache of PIXEL_CACHE_BYTES keyed by content: the learner
-        scores each picture in several passes a step, and the processor is the slow part."""
-        key = image_key(image)
-        if key in self._tiles_cache:
-            self._tiles_cache.move_to_end(key)
-            return self._tiles_cache[key]
+    def _process(self, image: np.ndarray):
+        """(pixel_values [tiles, C, H, W], pixel_attention_mask [tiles, H, W]) of one image."""
         out = self.image_processor([[image]], return_tensors="pt")
-        tiles = (out["pixel_values"][0], out["pixel_attention_mask"][0])
-        size = sum(t.numel() * t.element_size() for t in tiles)
-        if size <= PIXEL_CACHE_BYTES:
-            self._tiles_cache[key] = tiles
-            self._cached_bytes += size
-            while self._cached_bytes > PIXEL_CACHE_BYTES:
-                _, old = self._tiles_cache.popitem(last=False)
-                self._cached_bytes -= sum(t.numel() * t.element_size() for t in old)
-        return tiles
+        return out["pixel_values"][0], out["pixel_attention_mask"][0]
 
     def pixels(self, rows: Sequence[Sequence[np.ndarray]], device: Any = "cpu") -> dict:
         import torch
@@ -232,27 +247,14 @@ class QwenVLScheme:
         self.placeholder = (ids["vision_start"], ids["image_pad"], ids["vision_end"])
         self.special_ids = tuple(sorted(set(ids.values())))
         self._grids: dict[tuple[int, int], tuple[int, int, int]] = {}
-        self._patches: OrderedDict[str, tuple] = OrderedDict()
-        self._cached_bytes = 0
+        self._processed = _PixelCache(self._process)
 
-    def _processed(self, image: np.ndarray):
-        """(patches [n, D], grid (t, h, w)) of one image from the image processor, kept in a cache
-        of PIXEL_CACHE_BYTES keyed by content (the learner scores each picture several times)."""
-        key = image_key(image)
-        if key in self._patches:
-            self._patches.move_to_end(key)
-            return self._patches[key]
+    def _process(self, image: np.ndarray):
+        """(patches [n, D], grid (t, h, w)) of one image."""
         out = self.image_processor([image], return_tensors="pt")
-        done = (out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0]))
-        self._grids[image.shape[:2]] = done[1]
-        size = done[0].numel() * done[0].element_size()
-        if size <= PIXEL_CACHE_BYTES:
-            self._patches[key] = done
-            self._cached_bytes += size
-            while self._cached_bytes > PIXEL_CACHE_BYTES:
-                _, (old, _) = self._patches.popitem(last=False)
-                self._cached_bytes -= old.numel() * old.element_size()
-        return done
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        self._grids[image.shape[:2]] = grid
+        return out["pixel_values"], grid
 
     def grid(self, image: np.ndarray) -> tuple[int, int, int]:
         """The image's (t, h, w) grid of patches (it depends on the image's size only)."""
