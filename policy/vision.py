@@ -1,19 +1,20 @@
 """How a vision-language family places an image in the token stream, and its pixel inputs.
 
-An image travels as a uint8 H×W×3 array (envs/base.py) from the environment to the engine and,
-with its trajectory, to the learner. The chat template renders one placeholder per image
-(Idefics3: `<image>`; Qwen-VL: `<|vision_start|><|image_pad|><|vision_end|>`); `expand` replaces
-each placeholder by the family's expansion (Idefics3: a wrapper token, `<global-img>`,
-`image_seq_len` image tokens per tile, a wrapper token; Qwen-VL: `<|image_pad|>` once per merged
-patch, inside the template's vision_start/end), exactly as the family's Hugging Face processor does, and `pixels` builds the model's pixel inputs with the
-family's own image processor. The engine and the learner both go through this module, so the
-learner sees exactly the token ids the engine saw; the token ids of an episode are the expanded
-ones, and `collapse` gives back the one-placeholder form an engine such as vLLM expands itself.
+An image travels as a uint8 H×W×3 array (envs/base.py) from the environment to the engine and, with
+its trajectory, to the learner. The chat template renders one placeholder per image (Idefics3:
+`<image>`; Qwen-VL: `<|vision_start|><|image_pad|><|vision_end|>`); `expand` replaces each
+placeholder by the family's expansion (Idefics3: a wrapper token, `<global-img>`, `image_seq_len`
+image tokens per tile, a wrapper token; Qwen-VL: `<|image_pad|>` once per merged patch, inside the
+template's vision_start/end), exactly as the family's Hugging Face processor does, and `pixels`
+builds the model's pixel inputs with the family's own image processor. The engine and the learner
+both go through this module, so the learner sees exactly the token ids the engine saw; the token
+ids of an episode are the expanded ones, and `collapse` gives back the one-placeholder form an
+engine such as vLLM expands itself.
 
 Design decisions:
 - Expansion at the token level, from the processor's own string for the image (its
   `replace_image_token`), tokenised once: the placeholders are special tokens, so the expanded
-  ids equal the processor's (tests/policy/test_vision.py checks them against it).
+  ids equal the processor's (tests/policy/test_vision.py and test_qwen_vl.py check them against it).
 - Placeholder tokens are never sampled: `special_ids` names every token an expansion uses,
   and engines and the learner give them probability zero, so model text cannot open an image
   slot without an image (and an environment's text cannot either: `expand` checks that every
@@ -21,7 +22,7 @@ Design decisions:
 - One scheme per family, chosen by the config's `model_type` (`scheme_for`); text models have
   none. Families whose processors need torchvision are refused with a message that says so.
   Qwen-VL's combined processor wants a video processor (torchvision), so its scheme loads the
-  tokenizer and the PIL image processor on their own.
+  tokenizer and the PIL image processor on their own (`load`).
 - Positions: a family with multimodal rotary positions (Qwen-VL's M-RoPE, policy/mrope.py) has
   `positions`, the [3, T] position ids of a token list with its images; engines and the learner
   pass them to every forward (never the model's own cached `rope_deltas`). The others take 1-D
@@ -53,6 +54,10 @@ class ImageScheme(Protocol):
         scheme = scheme_for(model_path, tokenizer)        # None for a text model
         ids = expand(scheme, rendered_ids, images)         # what the engine and the learner see
         inputs = scheme.pixels([images_of_row_0, ...])     # model kwargs for those rows
+
+    A family with multimodal rotary positions (Qwen-VL) also has `positions(ids, images)`: the
+    position ids [3, len(ids)] of a token list holding the expansions of `images`, from 0
+    (`batch_positions` builds a batch's).
     """
 
     image_token_id: int
@@ -69,10 +74,6 @@ class ImageScheme(Protocol):
     def pixels(self, rows: Sequence[Sequence[np.ndarray]], device: Any = "cpu") -> dict:
         """Model inputs (pixel_values, ...) for the images of each row, in order; {} without any."""
         ...
-
-    # optional: families with multimodal rotary positions
-    # def positions(self, ids: Sequence[int], images: Sequence[np.ndarray]) -> torch.Tensor:
-    #     """Position ids [3, len(ids)] of `ids` (holding the expansions of `images`) from 0."""
 
 
 def expand(scheme: ImageScheme, ids: Sequence[int], images: Sequence[np.ndarray]) -> list[int]:
@@ -189,6 +190,12 @@ class Idefics3Scheme:
         self._cache: dict[tuple[int, int], list[int]] = {}
         self._tiles = _PixelCache(self._process)
 
+    @classmethod
+    def load(cls, path: str) -> Idefics3Scheme:
+        from transformers import AutoProcessor
+
+        return cls(AutoProcessor.from_pretrained(path))
+
     def expansion(self, image: np.ndarray) -> list[int]:
         h, w = image.shape[:2]
         if (h, w) not in self._cache:  # the expansion depends on the image's size only
@@ -249,6 +256,15 @@ class QwenVLScheme:
         self._grids: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._processed = _PixelCache(self._process)
 
+    @classmethod
+    def load(cls, path: str) -> QwenVLScheme:
+        """The tokenizer and the PIL image processor on their own: the family's combined processor
+        wants a video processor, which needs torchvision."""
+        from transformers import AutoTokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return cls(AutoTokenizer.from_pretrained(path), Qwen2VLImageProcessorPil.from_pretrained(path))
+
     def _process(self, image: np.ndarray):
         """(patches [n, D], grid (t, h, w)) of one image."""
         out = self.image_processor([image], return_tensors="pt")
@@ -282,7 +298,8 @@ class QwenVLScheme:
         return mrope_positions(ids, self.image_token_id, [self.grid(img) for img in images], self.merge)
 
 
-def batch_positions(scheme: ImageScheme | None, tokens, lengths: Sequence[int], images: Sequence[Sequence[np.ndarray]]):
+def batch_positions(scheme: ImageScheme | None, tokens, lengths: Sequence[int],
+                    images: Sequence[Sequence[np.ndarray]]):
     """Position ids [3, B, T] of right-padded rows `tokens` [B, T] (row r's first `lengths[r]`
     tokens holding the expansions of `images[r]`; padding positions 0), for a family with
     `positions`; None for the others (their 1-D positions are the model's default)."""
@@ -309,7 +326,7 @@ def is_vision(config) -> bool:
 def scheme_for(path: str, config=None) -> ImageScheme | None:
     """The image scheme of the model at `path` (None for a text model); VisionError for a
     vision-language family Tandem cannot place images for."""
-    from transformers import AutoConfig, AutoProcessor
+    from transformers import AutoConfig
 
     config = config if config is not None else AutoConfig.from_pretrained(path)
     if not is_vision(config):
@@ -319,15 +336,9 @@ def scheme_for(path: str, config=None) -> ImageScheme | None:
         raise VisionError(f"{path}: Tandem does not place images for the {family!r} family yet; it does for "
                           f"{', '.join(sorted(SCHEMES))}")
     try:
-        if SCHEMES[family] is QwenVLScheme:  # the PIL image processor alone: no video processor, no torchvision
-            from transformers import AutoTokenizer
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-            return QwenVLScheme(AutoTokenizer.from_pretrained(path), Qwen2VLImageProcessorPil.from_pretrained(path))
-        processor = AutoProcessor.from_pretrained(path)
+        return SCHEMES[family].load(path)
     except VisionError:
         raise
     except Exception as exc:
         raise VisionError(f"{path}: cannot load its processor ({type(exc).__name__}: {exc}); a vision-language "
                           "model directory holds its processor's files beside the weights") from exc
-    return SCHEMES[family](processor)

@@ -1,9 +1,10 @@
 """Tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL models with random weights, saved in Hugging Face format.
 
 Each is the family's own transformers architecture at toy size (vision depth 2 of width 64, a
-2-layer text model of width 64; heads of 32, a size every vLLM attention backend takes), with the local tokenizer of tests/policy/templates.py (the
-Qwen2.5-VL chat template and the Qwen-VL special tokens) and the family's PIL image processor,
-so `scheme_for` and `load_model` load them as they load real checkpoints. Nothing is downloaded.
+2-layer text model of width 64; heads of 32, a size every vLLM attention backend takes), with the
+local tokenizer of tests/policy/templates.py (the Qwen2.5-VL chat template and the Qwen-VL special
+tokens) and the family's PIL image processor, so `scheme_for` and `load_model` load them as they
+load real checkpoints. Nothing is downloaded.
 """
 
 from __future__ import annotations
