@@ -309,6 +309,8 @@ def test_qwen_image_episodes_match_a_full_forward_across_turns(qwen_vl, qwen_vl_
             pics[key].append(picture(20 + len(seen), *((64, 64) if len(seen) % 2 else (90, 140))))
             prompts[key] = prompts[key] + out.tokens + chat.closing(out.tokens) + chat.observation_ids(
                 _pictured("moved", pics[key][-1]))
+    # positions were passed to every forward: the model never computed (or cached) its own
+    assert engine.model.get_base_model().model.rope_deltas is None
     for prompt, images, out in seen:
         torch.testing.assert_close(out.logprobs, _full_qwen_logprobs(engine, prompt, images, out.tokens),
                                    atol=1e-4, rtol=0)
