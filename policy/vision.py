@@ -136,7 +136,8 @@ def image_key(image: np.ndarray) -> str:
 class _PixelCache:
     """An image processor's output per image, keyed by content, at most PIXEL_CACHE_BYTES of
     tensors (least recently used dropped first): the learner scores each picture in several
-    passes a step, and the processor is the slow part."""
+    passes a step, and the processor is the slow part. (Qwen-VL's; Idefics3's `_tiles` keeps the
+    same rule inline.)"""
 
     def __init__(self, process) -> None:
         self.process = process  # image -> a tuple of tensors and plain values
@@ -188,7 +189,8 @@ class Idefics3Scheme:
         self.special_ids = tuple(sorted({i for i in ids if i is not None and i != tok.unk_token_id}))
         self._tok = tok
         self._cache: dict[tuple[int, int], list[int]] = {}
-        self._tiles = _PixelCache(self._process)
+        self._tiles_cache: OrderedDict[str, tuple] = OrderedDict()
+        self._cached_bytes = 0
 
     @classmethod
     def load(cls, path: str) -> Idefics3Scheme:
@@ -204,10 +206,24 @@ class Idefics3Scheme:
             self._cache[(h, w)] = list(self._tok(text, add_special_tokens=False)["input_ids"])
         return list(self._cache[(h, w)])
 
-    def _process(self, image: np.ndarray):
-        """(pixel_values [tiles, C, H, W], pixel_attention_mask [tiles, H, W]) of one image."""
+    def _tiles(self, image: np.ndarray):
+        """(pixel_values [tiles, C, H, W], pixel_attention_mask [tiles, H, W]) of one image, from
+        the image processor, kept in a cache of PIXEL_CACHE_BYTES keyed by content: the learner
+        scores each picture in several passes a step, and the processor is the slow part."""
+        key = image_key(image)
+        if key in self._tiles_cache:
+            self._tiles_cache.move_to_end(key)
+            return self._tiles_cache[key]
         out = self.image_processor([[image]], return_tensors="pt")
-        return out["pixel_values"][0], out["pixel_attention_mask"][0]
+        tiles = (out["pixel_values"][0], out["pixel_attention_mask"][0])
+        size = sum(t.numel() * t.element_size() for t in tiles)
+        if size <= PIXEL_CACHE_BYTES:
+            self._tiles_cache[key] = tiles
+            self._cached_bytes += size
+            while self._cached_bytes > PIXEL_CACHE_BYTES:
+                _, old = self._tiles_cache.popitem(last=False)
+                self._cached_bytes -= sum(t.numel() * t.element_size() for t in old)
+        return tiles
 
     def pixels(self, rows: Sequence[Sequence[np.ndarray]], device: Any = "cpu") -> dict:
         import torch

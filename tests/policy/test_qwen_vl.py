@@ -118,3 +118,22 @@ def test_the_adapter_leaves_the_qwen_vision_tower_alone(qwen_vl):
     assert not any(".visual." in name for name in text_only)
     everything = get_peft_model_state_dict(with_lora(load_model(qwen_vl), LoraSpec(rank=2, vision_tower=True)))
     assert any(".visual." in name for name in everything) and set(text_only) < set(everything)
+
+
+def test_cached_patches_equal_the_processors_and_the_cache_stays_bounded(qwen_vl_chat, monkeypatch):
+    """The same pictures scored twice (as the learner does in a step) give the same pixels, the
+    second time from the cache, which never holds more than its byte budget."""
+    import policy.vision as vision
+
+    scheme = qwen_vl_chat.scheme
+    rows = [[picture(10), picture(11, 90, 140)], [picture(11, 90, 140)]]
+    first, again = scheme.pixels(rows), scheme.pixels(rows)
+    for name in first:
+        torch.testing.assert_close(first[name], again[name], rtol=0, atol=0)
+    one = scheme._processed(picture(12))[0]
+    monkeypatch.setattr(vision, "PIXEL_CACHE_BYTES", 3 * one.numel() * one.element_size())
+    for seed in range(20, 30):
+        scheme.pixels([[picture(seed)]])
+        assert scheme._processed.bytes <= vision.PIXEL_CACHE_BYTES
+    fresh = scheme.image_processor([picture(29)], return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(scheme.pixels([[picture(29)]])["pixel_values"], fresh, rtol=0, atol=0)
