@@ -34,7 +34,11 @@ Images (a vision-language model): each prompt comes with its images, in the orde
 their expanded tokens (policy/vision.py). A row's feed passes the model the pixels of
 the images whose tokens it feeds, so each image is encoded once, when its tokens enter
 the cache, and later turns attend to its keys like any other. The tokens of an image's
-placeholders are never sampled (probability zero, as the learner scores them).
+placeholders are never sampled (probability zero, as the learner scores them). A family
+with multimodal rotary positions (Qwen-VL) gets each feed's [3, B, T] positions from its scheme,
+offset by the row's next position (an image advances it by less than its token count), and
+passed to every forward: nothing relies on the model's own cached `rope_deltas`, which belong
+to one batch while rows join and leave this one at any turn.
 """
 
 from __future__ import annotations
@@ -53,12 +57,13 @@ class TorchEngine:
         import torch
         from peft.tuners.lora import LoraLayer
 
-        from policy.load import load_model, with_lora
+        from policy.load import load_model, pad_id, with_lora
         from policy.vision import scheme_for
 
         self.torch = torch
         self.scheme = scheme_for(model_path)
         self._banned = list(self.scheme.special_ids) if self.scheme is not None else []
+        self._mrope = self.scheme is not None and hasattr(self.scheme, "positions")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -71,7 +76,7 @@ class TorchEngine:
         # without context (tests/actors/test_engine.py pins this).
         forward = inspect.signature(self.model.get_base_model().forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
-        self.pad_id = self.model.config.pad_token_id or 0
+        self.pad_id = pad_id(self.model.config)
         self.seed = seed
         self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for unseeded requests
         self.version = 0
@@ -179,6 +184,7 @@ class TorchEngine:
         self._cache = None
         self._rows: list[list[int]] = []       # tokens fed into the cache, per row
         self._fed: list[int] = []              # images fed into the cache, per row
+        self._next: list[int] = []             # the position of each row's next token
         self._sessions: list[Hashable] = []
         self._mask = None                      # [B, T] 1 where a slot holds a real token
 
@@ -202,6 +208,7 @@ class TorchEngine:
                 self._sessions.append(s)
                 self._rows.append([])
                 self._fed.append(0)
+                self._next.append(0)
         rows = [index[s] for s in sessions]
         if rows != list(range(len(self._sessions))):
             idx = torch.tensor(rows, device=self.device)
@@ -209,6 +216,7 @@ class TorchEngine:
             self._mask = self._mask[idx]
             self._rows = [self._rows[r] for r in rows]
             self._fed = [self._fed[r] for r in rows]
+            self._next = [self._next[r] for r in rows]
         self._sessions = list(sessions)
         longest = max(len(r) for r in self._rows)
         if self._mask.shape[1] > longest + max(64, longest // 2):  # holes: finished rows, ragged turns
@@ -247,6 +255,7 @@ class TorchEngine:
         self._cache = DynamicCache()
         self._rows = [[] for _ in prompts]
         self._fed = [0] * len(prompts)
+        self._next = [0] * len(prompts)
         self._sessions = list(sessions) if sessions is not None else [object() for _ in prompts]
         self._mask = self.torch.zeros((len(prompts), 0), dtype=self.torch.long, device=self.device)
         return [list(p) for p in prompts]
@@ -283,8 +292,7 @@ class TorchEngine:
         for i, toks in enumerate(new):
             ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
             real[i, : len(toks)] = 1
-        lens = torch.tensor([len(r) for r in self._rows], dtype=torch.long)
-        positions = lens[:, None] + torch.arange(width)[None, :]
+        positions = self._positions(new, images, width)
         ids, real, positions = ids.to(self.device), real.to(self.device), positions.to(self.device)
         mask = torch.cat([self._mask, real], dim=1)
         pixels = self.scheme.pixels(images, self.device) if images else {}
@@ -296,6 +304,23 @@ class TorchEngine:
         for i, toks in enumerate(new):
             self._rows[i].extend(toks)
         return logits
+
+    def _positions(self, new: list[list[int]], images: list[list] | None, width: int):
+        """Each row's positions of its `new` tokens, [B, width] ([3, B, width] for M-RoPE), from
+        the row's next position; the rows' next positions move past them."""
+        torch = self.torch
+        start = torch.tensor(self._next, dtype=torch.long)
+        positions = start[:, None] + torch.arange(width)[None, :]  # [B, width]
+        if not self._mrope:
+            self._next = [n + len(toks) for n, toks in zip(self._next, new)]
+            return positions
+        positions = positions[None].repeat(3, 1, 1)  # [3, B, width]: text has three equal ids
+        for i, toks in enumerate(new):
+            if images is not None and images[i]:
+                positions[:, i, :len(toks)] = self.scheme.positions(toks, images[i]) + self._next[i]
+            if toks:
+                self._next[i] = int(positions[:, i, :len(toks)].max()) + 1
+        return positions
 
     def close(self) -> None:
         self.reset_cache()

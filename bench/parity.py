@@ -46,7 +46,7 @@ def learner_logprobs(model_path: str, lora, tensors: dict, sequences: list[list[
 
     from learner.logprobs import model_terms
     from policy.load import load_model, with_lora
-    from policy.vision import scheme_for
+    from policy.vision import batch_positions, scheme_for
 
     model = with_lora(load_model(model_path), lora).eval()
     set_peft_model_state_dict(model, tensors)
@@ -58,6 +58,9 @@ def learner_logprobs(model_path: str, lora, tensors: dict, sequences: list[list[
         for i, seq in enumerate(sequences):
             ids = torch.tensor([seq], device=device)
             pixels = scheme.pixels([images[i]], device) if images is not None else None
+            positions = batch_positions(scheme, ids, [len(seq)], [images[i]]) if images is not None else None
+            if positions is not None:  # M-RoPE (Qwen-VL)
+                pixels["position_ids"] = positions
             logp, _ = model_terms(model, ids, torch.ones_like(ids), temperature, pixels=pixels, banned=banned)
             out.append(logp[0].tolist())
     return out

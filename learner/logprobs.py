@@ -23,8 +23,9 @@ Design decisions:
 - `banned` tokens (a vision-language model's image placeholders, which the engines never
   sample) get probability zero, as in the engines' sampling distribution: their logits are
   set to a large negative number (finite, so the entropy's p·log p stays 0, not NaN).
-- `pixels` (a vision-language model's pixel inputs for the rows, policy/vision.py) go to the
-  model's forward with the tokens.
+- `pixels` (a vision-language model's pixel inputs for the rows, policy/vision.py, with the
+  rows' M-RoPE `position_ids` for a family that has them) go to the model's forward with the
+  tokens.
 """
 
 from __future__ import annotations

@@ -84,9 +84,11 @@ def _add_adapters(base, lora: LoraSpec, critic: bool):
 
 def decoder_layers(model) -> list:
     """The transformer layers of a PEFT-wrapped model, each of which becomes one FSDP unit: a
-    causal LM's decoder layers; a vision-language model's decoder layers and its vision tower's."""
+    causal LM's decoder layers; a vision-language model's decoder layers and its vision tower's
+    (Idefics3's `layers`, Qwen-VL's `blocks`)."""
     return [layer for name, stack in model.base_model.model.named_modules()
-            if isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers" for layer in stack]
+            if isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks")
+            for layer in stack]
 
 
 def build_policy(source, lora: LoraSpec, mesh, device: torch.device, dtype: torch.dtype,

@@ -111,6 +111,7 @@ class Learner:
         from torch.distributed.device_mesh import init_device_mesh
 
         from learner.model import build_policy, resolve_dtype
+        from policy.load import pad_id
         from policy.vision import scheme_for
 
         torch.set_num_threads(self.cfg.threads)
@@ -125,7 +126,7 @@ class Learner:
         model, self.value_head = build_policy(
             self.base_config or self.model_path, self.cfg.lora, mesh, self.device, self.dtype,
             critic=self.algo == "ppo", checkpointing=self.cfg.activation_checkpointing)
-        self.pad_id = model.config.pad_token_id or 0
+        self.pad_id = pad_id(model.config)
         self.model = model
         self.scheme = None if self.base_config is not None else scheme_for(self.model_path)
         self._lora_layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
@@ -237,18 +238,25 @@ class Learner:
         return out
 
     def _inputs(self, batch, chunk):
-        """(tokens, attention, pixel inputs, width) of the rows `chunk`, cut to their longest."""
+        """(tokens, attention, pixel inputs, width) of the rows `chunk`, cut to their longest. The
+        pixel inputs carry the rows' M-RoPE positions for a family that has them (policy/vision.py)."""
         import torch
+
+        from policy.vision import batch_positions
 
         rows = torch.tensor(chunk)
         width = int(batch.attention[rows].sum(1).max())
+        tokens = batch.tokens[rows, :width]
         pixels = {}
         if batch.images is not None:
             if self.scheme is None:
                 raise ValueError(f"the learner's model {self.model_path} is a text model, but the batch holds images")
-            pixels = self.scheme.pixels([batch.images[r] for r in chunk], self.device)
-        return (batch.tokens[rows, :width].to(self.device), batch.attention[rows, :width].to(self.device), pixels,
-                width)
+            images = [batch.images[r] for r in chunk]
+            pixels = self.scheme.pixels(images, self.device)
+            positions = batch_positions(self.scheme, tokens, batch.attention[rows].sum(1).tolist(), images)
+            if positions is not None:
+                pixels["position_ids"] = positions.to(self.device)
+        return tokens.to(self.device), batch.attention[rows, :width].to(self.device), pixels, width
 
     def _plan(self, batch, rows: list[int], shares: bool = True) -> list[tuple[list[int], float]]:
         """Micro-batches of `rows` (--learner.micro-batch rows each, or as many as fit

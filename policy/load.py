@@ -156,6 +156,15 @@ def model_class(config):
     return AutoModelForImageTextToText if is_vision(config) else AutoModelForCausalLM
 
 
+def pad_id(config) -> int:
+    """The padding token of a model's config: its own, else its text model's (Qwen-VL configs keep
+    it there only), else 0 (padding is masked, so any id does)."""
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(config.get_text_config(), "pad_token_id", None)
+    return pad or 0
+
+
 def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
     """The whole model at `path` in `dtype` ("float32", "bfloat16") on `device`: what actors,
     engines and tests load. The learner does not: learner/model.py loads it once, on rank 0's CPU,
@@ -167,9 +176,10 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
     return model.to(device)
 
 
-VISION_TOWER = r".*\.(vision_model|connector)(\..*)?"
+VISION_TOWER = r".*\.(vision_model|connector|visual)(\..*)?"
 """PEFT's `exclude_modules` for a vision-language model whose vision side stays frozen: the
-vision tower and the connector (module names as PEFT sees them; Idefics3's layout)."""
+vision tower and the connector (module names as PEFT sees them: Idefics3's `vision_model` and
+`connector`; Qwen-VL's `visual`, which holds its merger too)."""
 
 
 @dataclass

@@ -55,6 +55,24 @@ def vlm_chat(tiny_vlm):
     return load_chat(tiny_vlm)
 
 
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def qwen_vl(request, tmp_path_factory) -> str:
+    """A tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL with random weights in Hugging Face format (tests/policy/qwen_vl.py)."""
+    import torch
+
+    from tests.policy.qwen_vl import save_qwen_vl
+
+    torch.set_num_threads(1)
+    return str(save_qwen_vl(tmp_path_factory.mktemp(request.param) / "model", request.param))
+
+
+@pytest.fixture(scope="session")
+def qwen_vl_chat(qwen_vl):
+    from policy.load import load_chat
+
+    return load_chat(qwen_vl)
+
+
 def pytest_configure(config):
     from policy.compat import check_torchvision
 

@@ -268,3 +268,70 @@ def test_an_engine_refuses_image_tokens_without_their_pictures(tiny_vlm, vlm_cha
     prompt = vlm_chat.prompt_ids(_pictured("start", _picture(0)))
     with pytest.raises(ValueError, match="without their images"):
         engine.generate([prompt], SamplingParams(2, vlm_chat.stop_ids), images=[[]])
+
+
+def _full_qwen_logprobs(engine, prompt, images, generated):
+    """A plain forward over the whole sequence, the model computing its own M-RoPE positions
+    (get_rope_index from the token types, as the Hugging Face processor's inputs have it)."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids, mm_token_type_ids=(ids == engine.scheme.image_token_id).int(),
+                              **engine.scheme.pixels([images])).logits[0]
+    logits[:, list(engine.scheme.special_ids)] = float("-inf")
+    logp = torch.log_softmax(logits, -1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(generated)]
+
+
+def test_qwen_image_episodes_match_a_full_forward_across_turns(qwen_vl, qwen_vl_chat):
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL (M-RoPE): two image episodes play three turns in the kept KV cache,
+    a third joins at the second turn and another leaves after it, pictures of two sizes; every
+    sampled log-prob equals a plain forward over the whole episode with all its pictures."""
+    from tests.policy.test_qwen_vl import picture
+
+    chat = qwen_vl_chat
+    engine = TorchEngine(qwen_vl, LoraSpec(rank=4), seed=3)
+    params = SamplingParams(4, chat.stop_ids, temperature=1.0)
+    pics = {"a": [picture(0)], "b": [picture(1, 90, 140)]}
+    prompts = {k: chat.prompt_ids(_pictured("start", v[0])) for k, v in pics.items()}
+    seen = []
+    for turn in range(3):
+        if turn == 1:
+            pics["c"] = [picture(5, 140, 60)]
+            prompts["c"] = chat.prompt_ids(_pictured("start", pics["c"][0]))
+        if turn == 2:
+            del pics["a"], prompts["a"]
+        keys = list(prompts)
+        outs = engine.generate([prompts[k] for k in keys], params, sessions=keys, seeds=[10 * turn + i for i in
+                                                                                        range(len(keys))],
+                               images=[pics[k] for k in keys])
+        for key, out in zip(keys, outs):
+            seen.append((prompts[key], list(pics[key]), out))
+            pics[key].append(picture(20 + len(seen), *((64, 64) if len(seen) % 2 else (90, 140))))
+            prompts[key] = prompts[key] + out.tokens + chat.closing(out.tokens) + chat.observation_ids(
+                _pictured("moved", pics[key][-1]))
+    # positions were passed to every forward: the model never computed (or cached) its own
+    assert engine.model.get_base_model().model.rope_deltas is None
+    for prompt, images, out in seen:
+        torch.testing.assert_close(out.logprobs, _full_qwen_logprobs(engine, prompt, images, out.tokens),
+                                   atol=1e-4, rtol=0)
+        assert not set(out.tokens) & set(engine.scheme.special_ids)
+
+
+def test_the_qwen_picture_of_a_later_turn_reaches_the_model(qwen_vl, qwen_vl_chat):
+    """Two Qwen-VL episodes identical but for their second observation's picture: the engine's
+    next-token distributions differ."""
+    from tests.policy.test_qwen_vl import picture
+
+    chat = qwen_vl_chat
+    engine = TorchEngine(qwen_vl, LoraSpec(rank=4))
+    first = picture(0)
+    opening = chat.prompt_ids(_pictured("start", first)) + [chat.stop_ids[0]]
+    logps = []
+    for later in (picture(1), picture(2)):
+        prompt = opening + chat.observation_ids(_pictured("moved", later))
+        out = engine.generate([prompt], SamplingParams(1, chat.stop_ids, temperature=0.0), sessions=["s"],
+                              images=[[first, later]])[0]
+        assert out.logprobs[0] == pytest.approx(_full_qwen_logprobs(engine, prompt, [first, later], out.tokens)[0],
+                                                abs=1e-4)
+        logps.append(_full_qwen_logprobs(engine, prompt, [first, later], list(range(10, 50))))  # ordinary tokens
+    assert max(abs(x - y) for x, y in zip(*logps)) > 1e-4

@@ -62,7 +62,8 @@ def _rank(rank, url, model, endpoint, groups, algo, out):
         mask = batch.mask[:, :width].bool()
         with torch.no_grad():
             logp = learner._policy_terms(tokens, attention, pixels)[0]
-            other = learner.scheme.pixels([[np.full_like(img, 128) for img in row] for row in batch.images])
+            grey = learner.scheme.pixels([[np.full_like(img, 128) for img in row] for row in batch.images])
+            other = {**pixels, **grey}  # the same tokens and positions, other pictures
             blind = learner._policy_terms(tokens, attention, other)[0]
         behaviour = batch.behaviour[:, :width]
         gap = float((logp - behaviour)[mask].abs().max())
@@ -78,6 +79,59 @@ def test_two_ranks_score_image_episodes_as_the_engine_sampled_them_and_train(tin
     """The learner's log-probs of the engine's tokens, with the episodes' pictures, equal the
     behaviour log-probs (the text path's tolerance); with other pictures they do not, so the
     pictures reach the learner. A step then trains the language model's adapter only."""
+    _score_and_train(tiny_vlm, algo, ".text_model.")
+
+
+@pytest.mark.slow  # ~25 s a family: two ranks, and the engine's episodes first
+def test_two_ranks_score_qwen_image_episodes_as_the_engine_sampled_them_and_train(qwen_vl):
+    """The same for the Qwen-VL families: the learner passes the rows' M-RoPE positions, its
+    FSDP units include the vision tower's blocks, and the engine's multi-turn image episodes
+    (its cache kept across turns) score as they were sampled."""
+    _score_and_train(qwen_vl, "grpo", ".language_model.")
+
+
+def test_qwen_image_episodes_score_as_the_engine_sampled_them(qwen_vl):
+    """One process, the learner's scoring (learner/logprobs.py) on padded rows with the rows'
+    M-RoPE positions (policy/vision.py `batch_positions`, as `Learner._inputs` builds them):
+    Qwen-VL image-maze episodes that the torch engine played turn by turn in its kept cache
+    score as they were sampled (the text path's tolerance)."""
+    import torch
+
+    from learner.batch import collate
+    from learner.logprobs import model_terms
+    from policy.load import LoraSpec, load_model, with_lora
+    from policy.vision import batch_positions, scheme_for
+
+    groups = _image_groups(qwen_vl, 2)
+    batch = collate(groups, 0, 0)
+    assert batch.images is not None and max(len(i) for i in batch.images) >= 2
+    lengths = batch.attention.sum(1).tolist()
+    assert len(set(lengths)) > 1, "the rows should differ in length (padding)"
+    scheme = scheme_for(qwen_vl)
+    inputs = dict(scheme.pixels(batch.images), position_ids=batch_positions(scheme, batch.tokens, lengths,
+                                                                          batch.images))
+    model = with_lora(load_model(qwen_vl), LoraSpec(rank=4)).eval()
+    with torch.no_grad():
+        logp, _ = model_terms(model, batch.tokens, batch.attention, TEMPERATURE, chunk=64, pixels=inputs,
+                              banned=scheme.special_ids)
+    mask = batch.mask.bool()
+    assert float((logp - batch.behaviour)[mask].abs().max()) < 1e-4
+
+
+def test_the_qwen_vision_blocks_are_fsdp_units(qwen_vl):
+    """Each of Qwen-VL's vision blocks (`model.visual.blocks`) is an FSDP unit, as its decoder
+    layers are, so no rank gathers the whole vision tower at once."""
+    from learner.model import decoder_layers
+    from policy.load import LoraSpec, load_model, with_lora
+
+    model = with_lora(load_model(qwen_vl), LoraSpec(rank=2))
+    units = decoder_layers(model)
+    inner = model.base_model.model.model
+    assert len(units) == 4 and set(map(id, units)) == set(map(id, [*inner.visual.blocks, *inner.language_model.layers]))
+
+
+def _score_and_train(model: str, algo: str, text_part: str) -> None:
+    tiny_vlm = model
     groups = _image_groups(tiny_vlm, 4)
     assert all(len(t.images) >= 2 for g in groups for t in g.trajectories)
     server = ReplayServer(ReplayBuffer(groups_per_step=2, max_staleness=0, num_shards=2), "tcp://127.0.0.1:*")
@@ -93,7 +147,7 @@ def test_two_ranks_score_image_episodes_as_the_engine_sampled_them_and_train(tin
         assert gap < 1e-4, f"learner and engine disagree on image episodes by {gap}"
         assert blind_gap > 1e-3, "other pictures left the learner's log-probs unchanged"
         assert metrics["mismatch_kl"] < 1e-6 and np.isfinite(metrics["loss"])
-        assert names and all(".text_model." in n for n in names), "the adapter reached the vision tower"
+        assert names and all(text_part in n for n in names), "the adapter reached the vision tower"
         if algo == "ppo":
             assert np.isfinite(metrics["value_loss"])
     assert server.buffer.stats.served_groups == 2

@@ -1,7 +1,7 @@
 """Chat templates of real model families, and small tokenizers built locally that carry them.
 
 The templates are the published ones (tokenizer_config.json of Qwen2.5-Instruct, Qwen3 and
-Llama-3.1-Instruct), written out so that nothing is downloaded. The tokenizers are byte-level
+Llama-3.1-Instruct; chat_template.json of Qwen2.5-VL-Instruct, Qwen2-VL's too), written out so that nothing is downloaded. The tokenizers are byte-level
 BPE models trained here on a few chat transcripts, with the family's pre-tokenizer pattern and
 special tokens, so that merges across the text the templates write (newlines, headers) happen
 as they do with the real vocabularies.
@@ -155,6 +155,18 @@ QWEN3 = """{%- if tools %}
     {%- endif %}
 {%- endif %}"""
 
+QWEN25_VL = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+
 LLAMA31 = """{{- bos_token }}
 {%- if custom_tools is defined %}
     {%- set tools = custom_tools %}
@@ -273,6 +285,8 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_VL_SPECIAL = QWEN_SPECIAL + ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                                  "<|video_pad|>"]
 QWEN_ADDED = ["<tool_call>", "</tool_call>"]  # added tokens that are not special (kept by decode)
 QWEN3_ADDED = QWEN_ADDED + ["<tool_response>", "</tool_response>", "<think>", "</think>"]
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -291,14 +305,14 @@ CORPUS = [
 
 def build_tokenizer(family: str, eos: str | None = None):
     """A byte-level BPE tokenizer carrying `family`'s special tokens and chat template
-    ("qwen2.5", "qwen3" or "llama3"); `eos` overrides the family's instruct eos token."""
+    ("qwen2.5", "qwen3", "qwen2.5-vl" or "llama3"); `eos` overrides the family's instruct eos token."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     qwen = family.startswith("qwen")
-    special = QWEN_SPECIAL if qwen else LLAMA3_SPECIAL
-    added = {"qwen2.5": QWEN_ADDED, "qwen3": QWEN3_ADDED}.get(family, [])
-    template = {"qwen2.5": QWEN25, "qwen3": QWEN3, "llama3": LLAMA31}[family]
+    special = (QWEN_VL_SPECIAL if family == "qwen2.5-vl" else QWEN_SPECIAL) if qwen else LLAMA3_SPECIAL
+    added = {"qwen2.5": QWEN_ADDED, "qwen3": QWEN3_ADDED, "qwen2.5-vl": QWEN_ADDED}.get(family, [])
+    template = {"qwen2.5": QWEN25, "qwen3": QWEN3, "qwen2.5-vl": QWEN25_VL, "llama3": LLAMA31}[family]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN_PATTERN if qwen else LLAMA3_PATTERN), behavior="isolated"),
