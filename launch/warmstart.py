@@ -88,7 +88,7 @@ class WarmstartConfig:
     perception_target: float = 0.9
     """Image maze: the perception stage ends once greedy replies to `look` are exactly right on
     this share of the validation pictures (0 = no perception stage)."""
-    perception_max_steps: int = 2000
+    perception_max_steps: int = 4000
     """Image maze: the perception stage ends after this many steps whatever its score."""
     perception_val_size: int = 256
     """Image maze: validation pictures of the perception stage."""
@@ -156,9 +156,9 @@ def exact_replies(model, examples, pad_id: int, scheme=None) -> float:
     replies exactly."""
     import torch
 
-    ids, mask, pixels = _collate(examples, pad_id, scheme)
+    ids, mask, inputs = _collate(examples, pad_id, scheme)
     with torch.no_grad():
-        logits = model(input_ids=ids, **pixels).logits[:, :-1]  # [B, T-1, V]
+        logits = model(input_ids=ids, **inputs).logits[:, :-1]  # [B, T-1, V]
     if scheme is not None:
         logits[..., list(scheme.special_ids)] = float("-inf")
     right = (logits.argmax(-1) == ids[:, 1:]) | (mask[:, 1:] == 0)  # [B, T-1]
@@ -166,8 +166,11 @@ def exact_replies(model, examples, pad_id: int, scheme=None) -> float:
 
 
 def _collate(examples: list[tuple[list[int], list[int], list]], pad_id: int, scheme=None):
-    """(ids [B, T], mask [B, T], pixel inputs) of demonstrations (`scheme`: the image scheme)."""
+    """(ids [B, T], mask [B, T], model inputs) of demonstrations (`scheme`: the image scheme; the
+    inputs are its pixels, with the rows' positions for a family with multimodal positions)."""
     import torch
+
+    from policy.vision import batch_positions
 
     width = max(len(t) for t, _, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # [B, T]
@@ -175,15 +178,21 @@ def _collate(examples: list[tuple[list[int], list[int], list]], pad_id: int, sch
     for i, (tokens, m, _) in enumerate(examples):
         ids[i, : len(tokens)] = torch.tensor(tokens)
         mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
-    pixels = scheme.pixels([images for _, _, images in examples]) if scheme is not None else {}
-    return ids, mask, pixels
+    if scheme is None:
+        return ids, mask, {}
+    images = [images for _, _, images in examples]
+    inputs = scheme.pixels(images)
+    positions = batch_positions(scheme, ids, [len(t) for t, _, _ in examples], images)
+    if positions is not None:
+        inputs["position_ids"] = positions
+    return ids, mask, inputs
 
 
-def sft_loss(model, ids, mask, pixels=None):
+def sft_loss(model, ids, mask, inputs=None):
     """Mean negative log-likelihood of the mask-1 tokens (next-token prediction)."""
     from learner.losses import token_logprobs
 
-    logits = model(input_ids=ids, **(pixels or {})).logits
+    logits = model(input_ids=ids, **(inputs or {})).logits
     logp = token_logprobs(logits, ids)  # [B, T], entry t = log p(ids[:, t])
     return -(logp * mask).sum() / mask.sum().clamp(min=1.0)
 

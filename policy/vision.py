@@ -136,8 +136,7 @@ def image_key(image: np.ndarray) -> str:
 class _PixelCache:
     """An image processor's output per image, keyed by content, at most PIXEL_CACHE_BYTES of
     tensors (least recently used dropped first): the learner scores each picture in several
-    passes a step, and the processor is the slow part. (Qwen-VL's; Idefics3's `_tiles` keeps the
-    same rule inline.)"""
+    passes a step, and the processor is the slow part. Every scheme keeps its pixels in one."""
 
     def __init__(self, process) -> None:
         self.process = process  # image -> a tuple of tensors and plain values
@@ -189,8 +188,7 @@ class Idefics3Scheme:
         self.special_ids = tuple(sorted({i for i in ids if i is not None and i != tok.unk_token_id}))
         self._tok = tok
         self._cache: dict[tuple[int, int], list[int]] = {}
-        self._tiles_cache: OrderedDict[str, tuple] = OrderedDict()
-        self._cached_bytes = 0
+        self._tiles = _PixelCache(self._process)
 
     @classmethod
     def load(cls, path: str) -> Idefics3Scheme:
@@ -206,34 +204,21 @@ class Idefics3Scheme:
             self._cache[(h, w)] = list(self._tok(text, add_special_tokens=False)["input_ids"])
         return list(self._cache[(h, w)])
 
-    def _tiles(self, image: np.ndarray):
-        """(pixel_values [tiles, C, H, W], pixel_attention_mask [tiles, H, W]) of one image, from
-        the image processor, kept in a cache of PIXEL_CACHE_BYTES keyed by content: the learner
-        scores each picture in several passes a step, and the processor is the slow part."""
-        fast = self._direct(image)
-        if fast is not None:
-            return fast
-        key = image_key(image)
-        if key in self._tiles_cache:
-            self._tiles_cache.move_to_end(key)
-            return self._tiles_cache[key]
+    def _process(self, image: np.ndarray) -> tuple:
+        """(pixel_values [tiles, C, H, W], pixel_attention_mask [tiles, H, W]) of one image."""
+        direct = self._direct(image)
+        if direct is not None:
+            return direct
         out = self.image_processor([[image]], return_tensors="pt")
-        tiles = (out["pixel_values"][0], out["pixel_attention_mask"][0])
-        size = sum(t.numel() * t.element_size() for t in tiles)
-        if size <= PIXEL_CACHE_BYTES:
-            self._tiles_cache[key] = tiles
-            self._cached_bytes += size
-            while self._cached_bytes > PIXEL_CACHE_BYTES:
-                _, old = self._tiles_cache.popitem(last=False)
-                self._cached_bytes -= sum(t.numel() * t.element_size() for t in old)
-        return tiles
+        return out["pixel_values"][0], out["pixel_attention_mask"][0]
 
     def _direct(self, image: np.ndarray):
         """The image processor's output for `image` computed in numpy, where the processor only
         rescales and normalises (with its own functions): no tiles, and a picture already of the
         vision encoder's size, so its resizes are the identity (the built-in model's 64×64
-        pictures; tests pin the result to the processor's). None elsewhere. A step of the image maze processes ~1,000 pictures,
-        at 1.5 ms each through the processor and a few microseconds here."""
+        pictures; tests pin the result to the processor's). None elsewhere. A step of the image
+        maze processes about a thousand new pictures, and the processor's PIL round trip is most
+        of their cost."""
         import torch
 
         ip = self.image_processor

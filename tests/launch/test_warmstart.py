@@ -71,3 +71,20 @@ def test_the_perception_stage_stops_at_its_target_or_its_step_budget(tiny_vlm, v
     score = perceive(model, opt, ImageMazeEnv(), vlm_chat, cfg, first_seed=0, log=lines.append)
     assert 0.0 <= score <= 1.0
     assert len(lines) == 1 and f"perception step {last} " in lines[0]
+
+
+def test_a_qwen_vl_warm_start_scores_its_rows_at_their_multimodal_positions(qwen_vl, qwen_vl_chat):
+    """Demonstrations for a Qwen-VL model carry each row's M-RoPE positions into the loss (Qwen2.5-VL
+    would otherwise fall back to 1-D positions without a word)."""
+    from launch.warmstart import _collate, demonstration, sft_loss
+    from policy.load import load_model
+
+    env, scheme = ImageMazeEnv(max_steps=3), qwen_vl_chat.scheme
+    examples = [demonstration(env, qwen_vl_chat, seed, noise=0.0) for seed in (1, 2)]
+    ids, mask, inputs = _collate(examples, qwen_vl_chat.tokenizer.pad_token_id, scheme)
+    for row, (tokens, _, images) in enumerate(examples):
+        want = scheme.positions(tokens, images)
+        assert torch.equal(inputs["position_ids"][:, row, : len(tokens)], want)
+        assert not torch.equal(want[0], torch.arange(len(tokens)))  # the pictures' rows and columns
+    model = load_model(qwen_vl)
+    assert torch.isfinite(sft_loss(model, ids, mask, inputs))

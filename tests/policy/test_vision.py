@@ -96,7 +96,7 @@ def test_cached_pixels_equal_the_processors_and_the_cache_stays_bounded(vlm_chat
     monkeypatch.setattr(vision, "PIXEL_CACHE_BYTES", 3 * one)
     for seed in range(20, 30):
         scheme.pixels([[picture(seed)]])
-        assert scheme._cached_bytes <= 3 * one
+        assert scheme._tiles.bytes <= 3 * one
     fresh = scheme.image_processor([[picture(29)]], return_tensors="pt")["pixel_values"][0]
     torch.testing.assert_close(scheme.pixels([[picture(29)]])["pixel_values"][0], fresh, rtol=0, atol=0)
 
