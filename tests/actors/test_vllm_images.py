@@ -51,27 +51,32 @@ def test_vllm_expands_a_collapsed_prompt_to_tandems_tokens(engine, vlm_chat):
         assert engine._call(run()).prompt_token_ids == prompt
 
 
-def test_image_logprobs_agree_with_the_learners_scoring_with_the_pictures(engine, tiny_vlm, vlm_chat):
-    """Parity on image prompts: μ recorded by vLLM, π scored by the learner with the same
-    pictures, the same adapter (on the language model) and temperature; the torch engine beside
-    it. Other pictures give other log-probs, so the pictures reach vLLM."""
-    tensors = random_adapter(tiny_vlm, LORA)
-    prompts, images = image_prompts_for(vlm_chat, 6)
-    params = SamplingParams(10, vlm_chat.stop_ids, temperature=1.0)
-    vllm = compare(engine, tiny_vlm, LORA, tensors, prompts, params, images=images)
-    ref = compare(TorchEngine(tiny_vlm, LORA, seed=0), tiny_vlm, LORA, tensors, prompts, params, images=images)
-    assert vllm["max_abs"] < TOLERANCE[0] and vllm["kl"] < TOLERANCE[1], vllm
-    assert ref["max_abs"] < 5e-4 and ref["kl"] < 1e-8, ref
-    for _, tokens, _ in vllm["sequences"] + ref["sequences"]:
-        assert not set(tokens) & set(vlm_chat.scheme.special_ids), "an image placeholder was sampled"
-    grey = [[np.full_like(i, 128) for i in pics] for pics in images]
-    blind = compare(engine, tiny_vlm, LORA, tensors, prompts, SamplingParams(10, vlm_chat.stop_ids, 1.0), images=grey)
+def check_image_parity(engine, model, chat, prompts, images, tolerance, lora=LORA) -> None:
+    """μ recorded by vLLM on image `prompts` against π scored as the learner scores (the same
+    pictures, adapter on the language model, temperature), the torch engine beside it within the
+    text path's CPU tolerance; no image placeholder sampled; grey pictures change vLLM's log-probs
+    by more than 1e-3, so the pictures reach it. Shared by every family's vLLM image test."""
     from bench.parity import learner_logprobs
 
-    seqs = [p + t for p, t, _ in blind["sequences"]]
-    seen = learner_logprobs(tiny_vlm, LORA, tensors, seqs, 1.0, images=images)
+    tensors = random_adapter(model, lora)
+    params = SamplingParams(10, chat.stop_ids, temperature=1.0)
+    vllm = compare(engine, model, lora, tensors, prompts, params, images=images)
+    ref = compare(TorchEngine(model, lora, seed=0), model, lora, tensors, prompts, params, images=images)
+    assert vllm["max_abs"] < tolerance[0] and vllm["kl"] < tolerance[1], vllm
+    assert ref["max_abs"] < 5e-4 and ref["kl"] < 1e-8, ref
+    for _, tokens, _ in vllm["sequences"] + ref["sequences"]:
+        assert not set(tokens) & set(chat.scheme.special_ids), "an image placeholder was sampled"
+    grey = [[np.full_like(i, 128) for i in pics] for pics in images]
+    blind = compare(engine, model, lora, tensors, prompts, params, images=grey)
+    seen = learner_logprobs(model, lora, tensors, [p + t for p, t, _ in blind["sequences"]], 1.0, images=images)
     gap = max(abs(mu - s[len(p) + j]) for (p, _, lps), s in zip(blind["sequences"], seen) for j, mu in enumerate(lps))
     assert gap > 1e-3, "vLLM's log-probs did not depend on the pictures"
+
+
+def test_image_logprobs_agree_with_the_learners_scoring_with_the_pictures(engine, tiny_vlm, vlm_chat):
+    """Parity on image-maze opening prompts with the built-in tiny VLM."""
+    prompts, images = image_prompts_for(vlm_chat, 6)
+    check_image_parity(engine, tiny_vlm, vlm_chat, prompts, images, TOLERANCE)
 
 
 def test_an_actor_plays_the_image_maze_with_vllm(engine, tiny_vlm, vlm_chat):

@@ -2,14 +2,12 @@
 Qwen-VL modules without torchvision). The tiny random models of tests/policy/qwen_vl.py; one
 engine a family."""
 
-import numpy as np
 import pytest
 
 from actors.engine import SamplingParams
 from actors.engines import make_engine
-from actors.torch_engine import TorchEngine
-from bench.parity import compare, learner_logprobs, random_adapter
 from policy.load import LoraSpec
+from tests.actors.test_vllm_images import check_image_parity
 from tests.policy.test_qwen_vl import picture, pictured
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]  # skipped without CUDA (tests/conftest.py)
@@ -58,17 +56,5 @@ def test_vllm_expands_a_collapsed_qwen_prompt_to_tandems_tokens(engine, qwen_vl_
 def test_qwen_image_logprobs_agree_with_the_learners_scoring(engine, qwen_vl, qwen_vl_chat):
     """μ recorded by vLLM against π scored as the learner scores (with the pictures and the
     rows' M-RoPE positions), the torch engine beside it; other pictures give other log-probs."""
-    tensors = random_adapter(qwen_vl, LORA)
     prompts, images = _prompts(qwen_vl_chat)
-    params = SamplingParams(10, qwen_vl_chat.stop_ids, temperature=1.0)
-    vllm = compare(engine, qwen_vl, LORA, tensors, prompts, params, images=images)
-    ref = compare(TorchEngine(qwen_vl, LORA, seed=0), qwen_vl, LORA, tensors, prompts, params, images=images)
-    assert vllm["max_abs"] < TOLERANCE[0] and vllm["kl"] < TOLERANCE[1], vllm
-    assert ref["max_abs"] < 5e-4 and ref["kl"] < 1e-8, ref
-    for _, tokens, _ in vllm["sequences"] + ref["sequences"]:
-        assert not set(tokens) & set(qwen_vl_chat.scheme.special_ids), "an image placeholder was sampled"
-    grey = [[np.full_like(i, 128) for i in pics] for pics in images]
-    blind = compare(engine, qwen_vl, LORA, tensors, prompts, params, images=grey)
-    seen = learner_logprobs(qwen_vl, LORA, tensors, [p + t for p, t, _ in blind["sequences"]], 1.0, images=images)
-    gap = max(abs(mu - s[len(p) + j]) for (p, _, lps), s in zip(blind["sequences"], seen) for j, mu in enumerate(lps))
-    assert gap > 1e-3, "vLLM's log-probs did not depend on the pictures"
+    check_image_parity(engine, qwen_vl, qwen_vl_chat, prompts, images, TOLERANCE, LORA)
