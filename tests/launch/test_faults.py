@@ -51,16 +51,24 @@ def wait_for_version(proc: subprocess.Popen, logdir: Path, version: int, timeout
         time.sleep(0.2)
 
 
-def kill_part(proc: subprocess.Popen, title: str) -> None:
-    """SIGKILL one of the run's processes whose title starts with `title` (e.g. "ray::LearnerPart")."""
-    found = []
-    for p in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            if " ".join(p.cmdline()).startswith(title):
-                found.append(p)
-        except psutil.Error:
-            continue
-    assert found, f"no {title} process"
+def kill_part(proc: subprocess.Popen, title: str, timeout: float = 120) -> None:
+    """SIGKILL one of the run's processes whose title starts with `title` (e.g. "ray::LearnerPart"),
+    waiting up to `timeout` s for one: a Ray worker takes its part's title only once the part is
+    being built, which can come a moment after the driver's first lines."""
+    deadline = time.time() + timeout
+    while True:
+        found = []
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if " ".join(p.cmdline()).startswith(title):
+                    found.append(p)
+            except psutil.Error:
+                continue
+        if found:
+            break
+        assert proc.poll() is None, f"the run ended before a {title} process was there"
+        assert time.time() < deadline, f"no {title} process within {timeout} s"
+        time.sleep(0.2)
     random.choice(found).send_signal(signal.SIGKILL)
 
 
