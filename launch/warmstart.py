@@ -86,12 +86,20 @@ class WarmstartConfig:
     max_new_tokens: int = 4
     """Tokens per model turn at evaluation (a move word and the stop token)."""
     perception_target: float = 0.9
-    """Image maze: the perception stage ends once greedy replies to `look` are exactly right on
-    this share of the validation pictures (0 = no perception stage)."""
+    """Image maze: each part of the perception stage ends once greedy replies to `look` are
+    exactly right on this share of its validation pictures (0 = no perception stage)."""
     perception_max_steps: int = 4000
-    """Image maze: the perception stage ends after this many steps whatever its score."""
+    """Image maze: the perception stage's exercises of single pictures end after this many steps
+    whatever their score."""
+    episode_perception_max_steps: int = 500
+    """Image maze: the perception stage's exercises inside episodes, which follow those of single
+    pictures, end after this many steps whatever their score."""
     perception_val_size: int = 256
     """Image maze: validation pictures of the perception stage."""
+    episode_looks: int = 32
+    """Image maze: perception exercises inside episodes (`description(in_episode=True)`) trained
+    beside each step's demonstrations, so that the reading learned first is kept, and used on
+    the newest picture of an episode, while the moves are learned (0 = demonstrations alone)."""
 
 
 def demonstration(env, chat, seed: int, noise: float) -> tuple[list[int], list[int], list]:
@@ -127,11 +135,16 @@ def demonstration(env, chat, seed: int, noise: float) -> tuple[list[int], list[i
     return tokens, mask, images
 
 
-def description(env, chat, seed: int) -> tuple[list[int], list[int], list]:
+def description(env, chat, seed: int, in_episode: bool = False) -> tuple[list[int], list[int], list]:
     """One perception exercise of the image maze as (tokens, loss mask, images): the picture of
     the maze `env.reset(seed=seed)` after up to `max_steps // 2` random moves (so pictures show
     trails, and the agent anywhere), under the user text `LOOK`; the reply (loss mask 1) is the
-    text maze's goal / open / new lines of that state, closed by the stop token."""
+    text maze's goal / open / new lines of that state, closed by the stop token.
+
+    `in_episode`: at least one move, and the episode so far comes first, as the policy sees it
+    (the opening, each move, each observation with its picture); the `LOOK` message, holding the
+    newest picture, stands where that move's observation would. The reading is then learned
+    where the policy uses it: on the newest of several pictures."""
     import random
 
     from envs.maze import MOVES
@@ -139,15 +152,24 @@ def description(env, chat, seed: int) -> tuple[list[int], list[int], list]:
 
     rng = random.Random(seed)
     messages, _ = env.reset(seed=seed)
-    for _ in range(rng.randrange(env.max_steps // 2 + 1)):
-        messages, _, terminated, _, _ = env.step(rng.choice(list(MOVES)))
+    tokens, images = (chat.prompt_ids(messages), message_images(messages)) if in_episode else ([], [])
+    for turn in range(rng.randrange(int(in_episode), env.max_steps // 2 + 1)):
+        if in_episode and turn:  # the previous move's observation, kept in the episode's context
+            tokens, images = tokens + chat.observation_ids(messages), images + message_images(messages)
+        move = rng.choice(list(MOVES))
+        if in_episode:
+            tokens += chat.tokenizer.encode(move, add_special_tokens=False) + [chat.stop_ids[0]]
+        messages, _, terminated, _, _ = env.step(move)
         if terminated:
             break
     picture = message_images(messages)[-1]
     look = [{"role": "user", "content": [{"type": "text", "text": LOOK}, {"type": "image", "image": picture}]}]
-    prompt = chat.prompt_ids(look)
+    if in_episode:
+        tokens, images = tokens + chat.observation_ids(look), images + [picture]
+    else:
+        tokens, images = chat.prompt_ids(look), [picture]
     reply = chat.tokenizer.encode(env.hint_lines(), add_special_tokens=False) + [chat.stop_ids[0]]
-    return prompt + reply, [0] * len(prompt) + [1] * len(reply), [picture]
+    return tokens + reply, [0] * len(tokens) + [1] * len(reply), images
 
 
 def exact_replies(model, examples, pad_id: int, scheme=None) -> float:
@@ -212,22 +234,27 @@ def _train_step(model, opt, examples, pad_id: int, scheme=None) -> float:
 
 def perceive(model, opt, env, chat, cfg: WarmstartConfig, first_seed: int,
              log: Callable[[str], None] = print) -> float:
-    """The perception stage: `description` exercises until greedy replies are exactly right on
-    `cfg.perception_target` of the validation pictures; returns that share."""
+    """The perception stage: `description` exercises of single pictures until greedy replies are
+    exactly right on `cfg.perception_target` of the validation pictures (at most
+    `cfg.perception_max_steps` steps), then the same inside episodes (at most
+    `cfg.episode_perception_max_steps`); returns the last share."""
     pad, scheme = chat.tokenizer.pad_token_id, chat.scheme
-    val = [description(env, chat, LOOK_VAL_SEED + i) for i in range(cfg.perception_val_size)]
     start, seed, score = time.time(), first_seed, 0.0
-    for step in range(1, cfg.perception_max_steps + 1):
-        loss = _train_step(model, opt, [description(env, chat, seed + i) for i in range(cfg.batch)], pad, scheme)
-        seed += cfg.batch
-        if step % 50 and step < cfg.perception_max_steps:
-            continue
-        model.eval()
-        score = exact_replies(model, val, pad, scheme)
-        log(f"warm start: perception step {step} loss {loss:.3f} replies exactly right {score:.1%} "
-            f"({time.time() - start:.0f}s)")
-        if score >= cfg.perception_target:
-            break
+    for in_episode, budget in ((False, cfg.perception_max_steps), (True, cfg.episode_perception_max_steps)):
+        val = [description(env, chat, LOOK_VAL_SEED + i, in_episode) for i in range(cfg.perception_val_size)]
+        where = "in episodes" if in_episode else "single pictures"
+        for step in range(1, budget + 1):
+            batch = [description(env, chat, seed + i, in_episode) for i in range(cfg.batch)]
+            loss = _train_step(model, opt, batch, pad, scheme)
+            seed += cfg.batch
+            if step % 50 and step < budget:
+                continue
+            model.eval()
+            score = exact_replies(model, val, pad, scheme)
+            log(f"warm start: perception ({where}) step {step} loss {loss:.3f} replies exactly right "
+                f"{score:.1%} ({time.time() - start:.0f}s)")
+            if score >= cfg.perception_target:
+                break
     return score
 
 
@@ -267,9 +294,11 @@ def build(out: Path, seed: int = 0, cfg: WarmstartConfig = WarmstartConfig(),
     if getattr(env, "shows_images", False) and cfg.perception_target > 0:
         # Seeds of its own (below LOOK_VAL_SEED), apart from the demonstrations'.
         perceive(model, opt, env, chat, cfg, seed * 1_000_000, log)
+    looks = cfg.episode_looks if getattr(env, "shows_images", False) else 0
     for step in range(1, cfg.max_steps + 1):
         batch = [demonstration(env, chat, next_seed + i, cfg.noise) for i in range(cfg.batch)]
-        next_seed += cfg.batch
+        batch += [description(env, chat, next_seed + cfg.batch + i, in_episode=True) for i in range(looks)]
+        next_seed += cfg.batch + looks
         loss = _train_step(model, opt, batch, tokenizer.pad_token_id, chat.scheme)
         if step % cfg.eval_every and step < cfg.max_steps:
             continue

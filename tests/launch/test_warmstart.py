@@ -35,6 +35,38 @@ def test_a_description_is_the_text_mazes_lines_for_the_state_in_its_picture(vlm_
     assert description(env, vlm_chat, 3)[0] == description(env, vlm_chat, 3)[0]
 
 
+def test_an_exercise_inside_an_episode_asks_about_the_newest_picture_after_the_episode_as_the_policy_saw_it(vlm_chat):
+    """The context is the episode token for token (the opening, each move, each observation with
+    its picture); the `look` message, holding the newest picture, takes the last observation's
+    place; the reply is that state's lines."""
+    from envs.maze import MOVES
+    from policy.chat import message_images
+
+    env, replay = ImageMazeEnv(), ImageMazeEnv()
+    for seed in range(30):
+        tokens, mask, images = description(env, vlm_chat, seed, in_episode=True)
+        reply = [t for t, m in zip(tokens, mask) if m]
+        assert mask == [0] * (len(tokens) - len(reply)) + [1] * len(reply)
+        assert vlm_chat.decode(reply[:-1]) == env.hint_lines()
+        # replay the episode through the chat as an actor renders it, reading the moves back
+        messages, _ = replay.reset(seed=seed)
+        want, pictures = vlm_chat.prompt_ids(messages), message_images(messages)
+        while True:
+            move = next(m for m in MOVES if vlm_chat.decode(tokens[len(want):len(want) + 8]).startswith(m))
+            want += vlm_chat.tokenizer.encode(move, add_special_tokens=False) + [vlm_chat.stop_ids[0]]
+            messages, _, terminated, _, _ = replay.step(move)
+            look = [{"role": "user", "content": [{"type": "text", "text": LOOK},
+                                                  {"type": "image", "image": message_images(messages)[-1]}]}]
+            if terminated or want + vlm_chat.observation_ids(look) == tokens[: len(tokens) - len(reply)]:
+                break
+            want, pictures = want + vlm_chat.observation_ids(messages), pictures + message_images(messages)
+        assert want + vlm_chat.observation_ids(look) == tokens[: len(tokens) - len(reply)]
+        assert len(images) == len(pictures) + 1 >= 2
+        for got, expected in zip(images, pictures + message_images(look)):
+            np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(images[-1], render_image(env.maze, env.pos, env.visited))
+
+
 def test_exact_replies_count_a_reply_only_when_every_token_is_the_models_first_choice(tiny_vlm, vlm_chat):
     """Train the untrained tiny VLM on one exercise until it writes it: its score on that exercise
     goes from 0 to 1, and stays 0 on exercises it has not learned."""
@@ -60,17 +92,20 @@ def test_exact_replies_count_a_reply_only_when_every_token_is_the_models_first_c
 
 @pytest.mark.parametrize("target, budget, last", [(0.0, 60, 50), (1.1, 3, 3)])
 def test_the_perception_stage_stops_at_its_target_or_its_step_budget(tiny_vlm, vlm_chat, target, budget, last):
-    """Scored every 50 steps and at the last: a target already met stops it at step 50, one that
-    cannot be met runs it to its budget."""
+    """Each part (single pictures, then pictures inside episodes) is scored every 50 steps and at
+    its last: a target already met stops it at step 50, one that cannot be met runs it to its budget."""
     from policy.load import load_model
 
     model = load_model(tiny_vlm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = WarmstartConfig(batch=2, perception_max_steps=budget, perception_val_size=4, perception_target=target)
+    cfg = WarmstartConfig(batch=2, perception_max_steps=budget, episode_perception_max_steps=budget,
+                          perception_val_size=4, perception_target=target)
     lines: list[str] = []
     score = perceive(model, opt, ImageMazeEnv(), vlm_chat, cfg, first_seed=0, log=lines.append)
     assert 0.0 <= score <= 1.0
-    assert len(lines) == 1 and f"perception step {last} " in lines[0]
+    assert len(lines) == 2
+    assert f"perception (single pictures) step {last} " in lines[0]
+    assert f"perception (in episodes) step {last} " in lines[1]
 
 
 def test_a_qwen_vl_warm_start_scores_its_rows_at_their_multimodal_positions(qwen_vl, qwen_vl_chat):
