@@ -76,7 +76,7 @@ class CodeEnv(TextEnv):
 
     eval_seed = CODE64_SEED
 
-    def __init__(self, max_turns: int = 8, command_s: float = 10.0, grade_s: float = 15.0,
+    def __init__(self, max_turns: int = 8, command_s: float = 10.0, cpu_s: int = 0, grade_s: float = 15.0,
                  episode_s: float = 120.0, memory_mb: int = 1024, output_chars: int = 2000,
                  functions: int = 1, files: int = 1, bugs: int = 1, hidden_counterexample: bool = False,
                  sandbox_root: str = "") -> None:
@@ -85,7 +85,7 @@ class CodeEnv(TextEnv):
             raise ValueError("max_turns must be at least 1, the time limits positive and output_chars at least 200")
         self.max_turns, self.episode_s = max_turns, episode_s
         self.knobs = Knobs(functions, files, bugs, hidden_counterexample)
-        self.limits = Limits(wall_s=command_s, cpu_s=max(1, int(command_s)), memory_mb=memory_mb,
+        self.limits = Limits(wall_s=command_s, cpu_s=cpu_s or max(1, int(command_s)), memory_mb=memory_mb,
                              output_bytes=output_chars)
         self.grade_limits = Limits(wall_s=grade_s, cpu_s=max(1, int(grade_s)), memory_mb=memory_mb,
                                    output_bytes=1 << 20)
@@ -115,8 +115,7 @@ class CodeEnv(TextEnv):
         self.episode = self.sandbox.episode()
         for path, text in task.files:
             self.episode.write(path, text)
-        listing = "\n".join(f"  {path}" for path, _ in task.files)
-        return f"{task.statement}\nFiles in /work:\n{listing}\n{self.rules()}", {}
+        return f"{task.prompt()}\n{self.rules()}", {}
 
     def _step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.task is None or self.episode is None:

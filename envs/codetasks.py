@@ -167,7 +167,7 @@ FUNCTIONS = [
 
 PACKAGES = ["shoplib", "textkit", "numtools", "listops", "mathbits", "utilpack", "calcs", "toolbox"]
 MODULES = ["core", "helpers", "ops", "extra", "misc", "basics"]
-LINE_BUDGET = 200_000
+LINE_BUDGET = 20_000
 """Traced lines a validation call may run before it counts as hanging."""
 
 
@@ -210,8 +210,15 @@ class Task:
     fix: tuple[tuple[str, str], ...]
     """The reference versions of the buggy files (the known fix)."""
 
+    def prompt(self) -> str:
+        """What the agent is shown first: the statement, the files, the visible test."""
+        files = dict(self.files)
+        listing = "\n".join(f"  {path}" for path in files)
+        test = files.get("tests/test_visible.py")
+        return f"{self.statement}\nFiles in /work:\n{listing}" + (f"\ntests/test_visible.py:\n{test}" if test else "")
+
     def key(self) -> str:
-        return self.statement + json.dumps(self.files)
+        return self.prompt()
 
 
 def _run_traced(fn, args: list):

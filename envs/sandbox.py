@@ -217,6 +217,11 @@ class Sandbox:
         self.root = Path(cfg.root or os.path.join(tempfile.gettempdir(), f"tandem-sandbox-{os.geteuid()}"))
         self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)  # `nobody` passes through to its own folder, lists nothing
+        if self.as_root:
+            for parent in self.root.resolve().parents:
+                if not os.stat(parent).st_mode & 0o001:
+                    raise ValueError(f"sandbox root {self.root}: uid {NOBODY} cannot pass through {parent} "
+                                     f"(mode {os.stat(parent).st_mode & 0o777:o}); choose a root under /tmp")
         if cfg.rootfs and not os.path.isdir(cfg.rootfs):
             raise ValueError(f"sandbox rootfs {cfg.rootfs!r} is not a folder")
         for path in cfg.ro_binds:
@@ -253,7 +258,7 @@ class Sandbox:
             except OSError:
                 alive = False
             if not alive:
-                shutil.rmtree(entry, ignore_errors=True)
+                shutil.rmtree(entry, onerror=_force)
                 removed += 1
         return removed
 
@@ -335,14 +340,16 @@ class Sandbox:
                 extra_groups=[] if self.as_root else None)
         finally:
             os.close(info_w)
-        pidfd = os.pidfd_open(proc.pid)
+        pidfds = [os.pidfd_open(proc.pid)]  # bwrap, then the sandbox's init once it is known
         killed: list[str] = []
 
         def kill(why: str = "memory") -> None:
+            """SIGKILL the sandbox's init (the kernel then kills the rest of its pid namespace, and bwrap
+            reaps it); bwrap itself only before the init is known (it would leave the init to the host's)."""
             if not killed:
                 killed.append(why)
-            try:  # bwrap dies; --die-with-parent kills the namespace's init, and the kernel the rest
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            try:
+                signal.pidfd_send_signal(pidfds[-1], signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -365,7 +372,9 @@ class Sandbox:
                     else:
                         info += chunk
                         if ns is None and info.rstrip().endswith(b"}"):
-                            ns = json.loads(info)["pid-namespace"]
+                            ns = self._init(json.loads(info), pidfds)
+                            if killed:
+                                kill()
                             _watcher().watch(ns, limits.memory_mb << 20, kill)
             proc.wait()
         finally:
@@ -376,10 +385,31 @@ class Sandbox:
                 proc.wait()
             proc.stdout.close()
             os.close(info_r)
-            os.close(pidfd)
+            for fd in pidfds:
+                os.close(fd)
         return Result(proc.returncode, out.text(), timed_out=killed[:1] == ["timeout"],
                       out_of_memory=killed[:1] == ["memory"], output_cut=out.cut,
                       seconds=time.monotonic() - started)
+
+
+    @staticmethod
+    def _init(info: dict, pidfds: list[int]) -> int:
+        """The sandbox's pid namespace, from bwrap's --info-fd; a pidfd of its init joins `pidfds`
+        (checked to be in that namespace, so a reused pid is never signalled)."""
+        ns, pid = info["pid-namespace"], info["child-pid"]
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return ns  # it has already exited
+        try:
+            same = os.readlink(f"/proc/{pid}/ns/pid") == f"pid:[{ns}]"
+        except OSError:
+            same = False
+        if same:
+            pidfds.append(fd)
+        else:
+            os.close(fd)
+        return ns
 
 
 class _Capped:
