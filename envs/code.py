@@ -36,14 +36,26 @@ CODE64_SEED = 32032
 _BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 _SHELLS = ("bash", "sh", "shell", "")
 MARK = "TANDEM-GRADE "
-RUNNER = f"""import importlib, json, sys
+CALL_S = 0.5
+"""CPU time of one hidden call (so a loaded machine does not fail it); the first call past it
+skips the rest (a hang fails anyway)."""
+RUNNER = f"""import importlib, json, signal, sys
 sys.path.insert(0, "/work")
+def timeout(*_):
+    raise TimeoutError
+signal.signal(signal.SIGVTALRM, timeout)
 out = []
 for module, name, args in json.load(open("/grader/calls.json")):
+    if out and out[-1] == ["error", "TimeoutError"]:
+        out.append(["error", "skipped"])
+        continue
     try:
+        signal.setitimer(signal.ITIMER_VIRTUAL, {CALL_S})
         out.append(["ok", getattr(importlib.import_module(module), name)(*json.loads(args))])
     except BaseException as exc:
         out.append(["error", type(exc).__name__])
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
 sys.stdout.write("\\n{MARK}" + json.dumps(out) + "\\n")
 """
 

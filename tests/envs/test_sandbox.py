@@ -4,43 +4,17 @@ no process or folder of the episode is left once it ends."""
 
 import os
 import re
-import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 import uuid
-from pathlib import Path
 
 import pytest
 
 from envs import make_env
 from envs.base import MAX_TEXT
 from envs.code import CODE64_SEED, task_set
-from envs.sandbox import NOBODY, Limits, Sandbox, SandboxConfig, SandboxUnavailable, _Capped
-
-
-def sandbox_pids() -> list[int]:
-    """Processes in a pid namespace other than ours, run by the sandbox's host uid."""
-    uid = NOBODY if os.geteuid() == 0 else os.geteuid()
-    ours = os.readlink("/proc/self/ns/pid")
-    pids = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{name}").st_uid == uid and os.readlink(f"/proc/{name}/ns/pid") != ours:
-                pids.append(int(name))
-        except OSError:
-            continue
-    return pids
-
-
-@pytest.fixture
-def root():
-    """A sandbox root the sandbox's uid can reach (pytest's tmp_path is private to root)."""
-    path = Path(tempfile.mkdtemp(prefix="tandem-test-"))
-    path.chmod(0o711)
-    yield path
-    shutil.rmtree(path)
+from envs.sandbox import Limits, Sandbox, SandboxConfig, SandboxUnavailable, _Capped, sandboxed_pids
 
 
 @pytest.fixture
@@ -54,7 +28,7 @@ def env(root):
     env.close()
     assert not folder.exists()
     assert [p.name for p in root.iterdir() if p.name.startswith("ep-")] == []
-    assert sandbox_pids() == []
+    assert sandboxed_pids() == []
 
 
 def run(env, command: str) -> tuple[str, dict]:
@@ -67,7 +41,7 @@ def alive(env) -> None:
     """The environment still answers: the next command runs and the repository is intact."""
     text, info = run(env, "echo still-here; ls tests")
     assert info["exit_code"] == 0 and "still-here" in text and "test_visible.py" in text
-    assert sandbox_pids() == []
+    assert sandboxed_pids() == []
 
 
 def test_loopback_and_other_addresses_are_unreachable(env):
@@ -169,7 +143,7 @@ def test_sleep_past_the_deadline_is_killed(env):
 def test_background_processes_do_not_outlive_the_command(env):
     text, _ = run(env, "(sleep 3141 &); nohup sleep 3142 >/dev/null 2>&1 & setsid sleep 3143 & disown -a; echo left")
     assert "left" in text
-    assert sandbox_pids() == []
+    assert sandboxed_pids() == []
     text, _ = run(env, "ps -e -o comm=")
     assert "sleep" not in text
     alive(env)
@@ -203,7 +177,7 @@ def test_many_episodes_at_once_keep_to_their_own_folders(root):
         t.join()
     assert results == {i: f"{i}\n1\n" for i in range(16)}
     assert [p.name for p in root.iterdir() if p.name.startswith("ep-")] == []
-    assert sandbox_pids() == []
+    assert sandboxed_pids() == []
 
 
 def test_leftovers_of_a_dead_process_are_swept_at_start(root):
