@@ -28,9 +28,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from envs import swebench
 from envs.base import TextEnv, distinct_tasks
 from envs.codetasks import Knobs, Task, make_task
-from envs.sandbox import Episode, Limits, Result, Sandbox, SandboxConfig
+from envs.sandbox import WORKDIR, Episode, Limits, Result, Sandbox, SandboxConfig
+from envs.swebench import SweTask, read_rows
 
 CODE64_SEED = 32032
 _BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
@@ -40,7 +44,7 @@ CALL_S = 0.5
 """CPU time of one hidden call (so a loaded machine does not fail it); the first call past it
 skips the rest (a hang fails anyway)."""
 RUNNER = f"""import importlib, json, signal, sys
-sys.path.insert(0, "/work")
+sys.path.insert(0, "{WORKDIR}")
 def timeout(*_):
     raise TimeoutError
 signal.signal(signal.SIGVTALRM, timeout)
@@ -81,9 +85,10 @@ def read_blocks(text: str) -> list[str]:
 
 
 class CodeEnv(TextEnv):
-    """Fix the bug in a small Python package, one shell command a turn.
+    """Fix the bug in a repository, one shell command a turn: a generated package, or with `tasks`
+    and `repos` the rows of a SWE-bench-format file (envs/swebench.py).
 
-    `reset(seed=s)` draws a task from `s`; `options={"task": Task}` plays that one.
+    `reset(seed=s)` draws a task from `s`; `options={"task": Task}` or `{"row": i}` plays that one.
     """
 
     eval_seed = CODE64_SEED
@@ -91,7 +96,8 @@ class CodeEnv(TextEnv):
     def __init__(self, max_turns: int = 8, command_s: float = 10.0, cpu_s: int = 0, grade_s: float = 15.0,
                  episode_s: float = 120.0, memory_mb: int = 1024, output_chars: int = 2000,
                  functions: int = 1, files: int = 1, bugs: int = 1, hidden_counterexample: bool = False,
-                 sandbox_root: str = "") -> None:
+                 sandbox_root: str = "", tasks: str = "", repos: str = "", rootfs: str = "",
+                 ro_binds: tuple[str, ...] = (), python: str = "python3") -> None:
         super().__init__()
         if max_turns < 1 or min(command_s, grade_s, episode_s) <= 0 or output_chars < 200:
             raise ValueError("max_turns must be at least 1, the time limits positive and output_chars at least 200")
@@ -101,16 +107,26 @@ class CodeEnv(TextEnv):
                              output_bytes=output_chars)
         self.grade_limits = Limits(wall_s=grade_s, cpu_s=max(1, int(grade_s)), memory_mb=memory_mb,
                                    output_bytes=1 << 20)
-        self.sandbox = shared_sandbox(SandboxConfig(root=sandbox_root, limits=self.limits))
-        self.task: Task | None = None
+        self.sandbox = shared_sandbox(SandboxConfig(root=sandbox_root, rootfs=rootfs, ro_binds=tuple(ro_binds)))
+        self.rows = read_rows(tasks, repos) if tasks else ()
+        self.python = python
+        order = np.random.default_rng(CODE64_SEED).permutation(len(self.rows))
+        self.held_rows = [int(i) for i in order[: min(64, len(self.rows) // 5)]]
+        self.train_rows = [i for i in range(len(self.rows)) if i not in set(self.held_rows)] or list(range(len(self.rows)))
+        self.task: Task | SweTask | None = None
         self.episode: Episode | None = None
         self.turns, self.used_s = 0, 0.0
 
     def eval_tasks(self, seed: int, n: int) -> list[dict[str, Any]]:
-        return [{"task": t} for t in task_set(seed, n, self.knobs)]
+        """Generated: n distinct tasks from `seed`. Rows: at the evaluation seed the held-out rows (at
+        most 64, a fifth of the file), at any other seed n rows drawn from it."""
+        if not self.rows:
+            return [{"task": t} for t in task_set(seed, n, self.knobs)]
+        order = self.held_rows if seed == CODE64_SEED else np.random.default_rng(seed).permutation(len(self.rows))
+        return [{"row": int(i)} for i in list(order)[:n]]
 
     def rules(self) -> str:
-        return ("Rules: reply with exactly one ```bash block per turn. It runs in a new bash shell in /work (the "
+        return (f"Rules: reply with exactly one ```bash block per turn. It runs in a new bash shell in {WORKDIR} (the "
                 "repository; files you change there persist, processes and /tmp do not), with no network and a "
                 f"limit of {self.limits.wall_s:g} s. Its exit code and output come back. When the bug is fixed, "
                 "reply with a block holding only `submit`. Only changes to the package's source files are graded; "
@@ -120,14 +136,21 @@ class CodeEnv(TextEnv):
         task = options.get("task")
         if task is not None and not isinstance(task, Task):
             raise TypeError("options['task'] must be an envs.codetasks.Task")
+        if self.rows and task is None:
+            row = options.get("row", self.train_rows[int(self.np_random.integers(len(self.train_rows)))])
+            task = self.rows[int(row)]
         while task is None or ("task" not in options and task.key() in _held_out(self.knobs)):
             task = make_task(self.np_random, self.knobs)
         self._close_episode()
         self.task, self.turns, self.used_s = task, 0, 0.0
         self.episode = self.sandbox.episode()
-        for path, text in task.files:
-            self.episode.write(path, text)
-        return f"{task.prompt()}\n{self.rules()}", {}
+        match task:
+            case Task():
+                for path, text in task.files:
+                    self.episode.write(path, text)
+            case SweTask():
+                self.episode.copy_in(task.repo)
+        return f"{task.prompt()}\n{self.rules()}", {"task": task.key()[:200]}
 
     def _step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.task is None or self.episode is None:
@@ -161,7 +184,13 @@ class CodeEnv(TextEnv):
         """Whether the hidden tests pass on the pristine repository with the agent's source files,
         and a short reason."""
         assert self.task is not None and self.episode is not None
-        task = self.task
+        match self.task:
+            case SweTask() as task:
+                return swebench.grade(task, self.sandbox, self.episode, self.grade_limits, self.python)
+            case task:
+                return self._grade_generated(task)
+
+    def _grade_generated(self, task: Task) -> tuple[bool, str]:
         with self.sandbox.episode() as grading, tempfile.TemporaryDirectory(prefix="tandem-grader-") as hidden:
             for path, text in task.files:
                 if path not in task.source_files:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from envs.sandbox import WORKDIR
+
 R = np.random.Generator
 
 
@@ -215,7 +217,7 @@ class Task:
         files = dict(self.files)
         listing = "\n".join(f"  {path}" for path in files)
         test = files.get("tests/test_visible.py")
-        return f"{self.statement}\nFiles in /work:\n{listing}" + (f"\ntests/test_visible.py:\n{test}" if test else "")
+        return f"{self.statement}\nFiles in {WORKDIR}:\n{listing}" + (f"\ntests/test_visible.py:\n{test}" if test else "")
 
     def key(self) -> str:
         return self.prompt()

@@ -13,17 +13,17 @@ Design decisions (measurements and what is *not* isolated: docs/sandbox.md):
   RLIMIT_NPROC, which root escapes, counts per namespace). Limits are set by `prlimit`
   *inside* the sandbox, so each sandbox has its own process count.
 - RLIMIT_AS is per process, so a memory budget over the whole tree is kept by one watcher
-  thread for all sandboxes of the process: it sums RSS by pid namespace every `WATCH_S`
-  and kills a sandbox over budget. The command's own thread keeps its deadline and reads
-  its output (head and tail kept): no lock is held while a command runs.
+  thread for all sandboxes of the process (envs/sandbox_watch.py). The command's own thread
+  keeps its deadline and reads its output (head and tail kept): no lock is held while a
+  command runs, and no thread is started for one.
 - A machine without bwrap or user namespaces gets `SandboxUnavailable` at start, never an
   unsandboxed run.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
-import functools
 import json
 import os
 import select
@@ -31,22 +31,17 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-NOBODY = 65534
-"""Host uid (and gid) the sandbox runs as when Tandem runs as root."""
+from envs.sandbox_watch import NOBODY, Capped, watcher
+
 INNER_UID = 1000
 """The uid the command sees inside (a user namespace maps it to the host uid)."""
-WORKDIR = "/work"
-"""Where the episode's folder appears inside the sandbox."""
-WATCH_S = 0.05
-"""How often the watcher sums each sandbox's memory."""
-_PAGE = os.sysconf("SC_PAGE_SIZE")
+WORKDIR = "/workspace"
+"""Where the episode's folder appears inside the sandbox (not /work: host paths there may be bound)."""
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "mime.types")
 """Host /etc entries bound read-only (no secrets: the loader's cache, Debian's command links)."""
 
@@ -139,73 +134,6 @@ def find_bwrap(given: str = "") -> str:
     return path
 
 
-class _Watcher:
-    """One thread for every sandbox of the process: sums resident memory by pid namespace."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._watched: dict[int, tuple[int, callable]] = {}  # pid-namespace inode -> (budget bytes, kill)
-        self._uid = NOBODY if os.geteuid() == 0 else os.geteuid()
-        threading.Thread(target=self._loop, name="tandem-sandbox-watch", daemon=True).start()
-
-    def watch(self, ns: int, budget: int, kill) -> None:
-        with self._lock:
-            self._watched[ns] = (budget, kill)
-            self._wake.notify()
-
-    def forget(self, ns: int) -> None:
-        with self._lock:
-            self._watched.pop(ns, None)
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._watched:
-                    self._wake.wait()
-                watched = dict(self._watched)
-            for ns, rss in self._usage(watched).items():
-                budget, kill = watched[ns]
-                if rss > budget:
-                    kill()
-            time.sleep(WATCH_S)
-
-    def _usage(self, watched: dict) -> dict[int, int]:
-        usage: dict[int, int] = {}
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                if entry.stat().st_uid != self._uid:
-                    continue
-                ns = int(os.readlink(f"/proc/{entry.name}/ns/pid")[5:-1])  # "pid:[4026532178]"
-                if ns in watched:
-                    with open(f"/proc/{entry.name}/statm", "rb") as f:
-                        usage[ns] = usage.get(ns, 0) + int(f.read().split()[1]) * _PAGE
-            except (OSError, ValueError):  # the process ended while we looked
-                continue
-        return usage
-
-
-def sandboxed_pids() -> list[int]:
-    """Host pids of processes running in sandboxes (in a pid namespace other than ours, as the
-    sandbox's host uid): empty whenever no command is running."""
-    uid, ours, pids = NOBODY if os.geteuid() == 0 else os.geteuid(), os.readlink("/proc/self/ns/pid"), []
-    for entry in os.scandir("/proc"):
-        try:
-            if (entry.name.isdigit() and entry.stat().st_uid == uid
-                    and os.readlink(f"/proc/{entry.name}/ns/pid") != ours):
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
-@functools.lru_cache(maxsize=1)
-def _watcher() -> _Watcher:
-    return _Watcher()
-
-
 def _start_time(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[19]
@@ -245,6 +173,7 @@ class Sandbox:
         self._etc = self._make_etc(uid)
         self.sweep()
         self._check()
+        atexit.register(self.sweep, mine=True)  # episodes an actor abandoned (a timed-out step) too
 
     # -- set-up ----------------------------------------------------------------
     def _make_etc(self, uid: int) -> Path:
@@ -259,16 +188,17 @@ class Sandbox:
         os.chmod(etc, 0o755)
         return etc
 
-    def sweep(self) -> int:
-        """Remove folders left by processes that are gone (a crashed run); how many."""
+    def sweep(self, mine: bool = False) -> int:
+        """Remove folders left by processes that are gone (a crashed run), or with `mine` this
+        process's own (at exit); how many."""
         removed = 0
-        for entry in self.root.iterdir():
+        for entry in (self.root.iterdir() if self.root.is_dir() else ()):
             tag = entry.name.split("-", 1)[-1].rsplit("-", 1)[0] if "-" in entry.name else ""
             pid, _, start = tag.partition(".")
-            if not pid.isdigit() or tag == self._tag:
+            if not pid.isdigit() or (tag == self._tag) != mine:
                 continue
             try:
-                alive = _start_time(int(pid)) == start
+                alive = _start_time(int(pid)) == start and not mine
             except OSError:
                 alive = False
             if not alive:
@@ -367,7 +297,7 @@ class Sandbox:
             except ProcessLookupError:
                 pass
 
-        out = _Capped(limits.output_bytes)
+        out = Capped(limits.output_bytes)
         ns, info = None, b""
         deadline = started + limits.wall_s
         streams = {proc.stdout.fileno(): "out", info_r: "info"}
@@ -389,11 +319,11 @@ class Sandbox:
                             ns = self._init(json.loads(info), pidfds)
                             if killed:
                                 kill()
-                            _watcher().watch(ns, limits.memory_mb << 20, kill)
+                            watcher().watch(ns, limits.memory_mb << 20, kill)
             proc.wait()
         finally:
             if ns is not None:
-                _watcher().forget(ns)
+                watcher().forget(ns)
             if proc.returncode is None:
                 kill("error")
                 proc.wait()
@@ -426,35 +356,6 @@ class Sandbox:
         return ns
 
 
-class _Capped:
-    """The first and last `limit // 2` bytes of a stream, and how many were dropped between."""
-
-    def __init__(self, limit: int) -> None:
-        self.half = max(limit // 2, 1)
-        self.head = bytearray()
-        self.tail: deque[bytes] = deque()
-        self.tail_len = self.cut = 0
-
-    def add(self, chunk: bytes) -> None:
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        self.tail.append(chunk)
-        self.tail_len += len(chunk)
-        while self.tail_len - len(self.tail[0]) >= self.half:
-            self.cut += len(self.tail[0])
-            self.tail_len -= len(self.tail.popleft())
-
-    def text(self) -> str:
-        tail = b"".join(self.tail)
-        extra = len(tail) - self.half
-        if extra > 0:
-            self.cut, self.tail, tail = self.cut + extra, deque([tail[extra:]]), tail[extra:]
-        middle = f"\n[... {self.cut} bytes of output cut ...]\n".encode() if self.cut else b""
-        return (bytes(self.head) + middle + tail).decode("utf-8", "replace")
-
-
 class Episode:
     """One episode's work folder; commands run in fresh sandboxes over it. Close it to remove it."""
 
@@ -474,6 +375,14 @@ class Episode:
         if self.sandbox.as_root:  # the agent's uid owns what it is given
             for part in [path, *path.relative_to(self.folder).parents][:-1]:
                 os.chown(self.folder / part if part != path else path, NOBODY, NOBODY)
+
+    def copy_in(self, source: str) -> None:
+        """Copy a folder's contents (links kept as links) into the work folder, owned by the agent."""
+        shutil.copytree(source, self.folder, symlinks=True, dirs_exist_ok=True)
+        if self.sandbox.as_root:
+            for folder, dirs, files in os.walk(self.folder):
+                for name in dirs + files:
+                    os.chown(os.path.join(folder, name), NOBODY, NOBODY, follow_symlinks=False)
 
     def path(self, relpath: str) -> Path:
         """The host path of `relpath` inside the work folder (ValueError if it points outside)."""

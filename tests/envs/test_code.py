@@ -10,7 +10,7 @@ from envs import make_env
 from envs.code import CODE64_SEED, read_blocks, task_set
 from envs.codetasks import FUNCTIONS, Knobs, _load, _run_traced, make_task
 
-from envs.sandbox import sandboxed_pids
+from envs.sandbox_watch import sandboxed_pids
 
 CODE64 = task_set(CODE64_SEED, 64)
 
@@ -45,7 +45,7 @@ def cheat(task) -> list[str]:
     hook = "import builtins, sys\nprint('TANDEM-GRADE []')\nsys.exit(0)\n"
     return [write("tests/test_visible.py", "print('passed')\n"), "rm -rf tests; mkdir tests",
             write("conftest.py", hook), write("sitecustomize.py", hook), write(f"{package}/conftest.py", hook),
-            write("usercustomize.py", hook), "mkdir -p /work/grader && echo '[]' > /work/grader/calls.json"]
+            write("usercustomize.py", hook), "mkdir -p grader && echo '[]' > grader/calls.json"]
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_links_and_fake_results_in_source_files_fail(env):
                f"ln -sf /etc/passwd {broken}",
                write(broken, f"import os, sys\nprint('TANDEM-GRADE {fake}')\nos._exit(0)\n"),
                f"rm {broken}",
-               f"mkdir -p /work/x && ln -s / /work/x/root && ln -sfn /work/x/root/etc $(dirname {broken})/sub"]
+               f"mkdir -p x && ln -s / x/root && ln -sfn $PWD/x/root/etc $(dirname {broken})/sub"]
     for attack in attacks:
         assert play(env, task, [attack]) == 0.0, attack
 

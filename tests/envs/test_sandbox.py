@@ -14,7 +14,8 @@ import pytest
 from envs import make_env
 from envs.base import MAX_TEXT
 from envs.code import CODE64_SEED, task_set
-from envs.sandbox import Limits, Sandbox, SandboxConfig, SandboxUnavailable, _Capped, sandboxed_pids
+from envs.sandbox import Limits, Sandbox, SandboxConfig, SandboxUnavailable
+from envs.sandbox_watch import Capped, sandboxed_pids
 
 
 @pytest.fixture
@@ -78,13 +79,13 @@ def test_host_files_outside_the_binds_are_not_there(env, tmp_path):
     lines = text.splitlines()
     assert lines[7] == "0"  # /usr/local is masked
     assert set(lines[8:-1]) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp",
-                                "usr", "work"}
+                                "usr", "workspace"}
     alive(env)
 
 
 def test_writes_outside_the_work_folder_fail_or_vanish(env, tmp_path):
     marker = f"escape-{uuid.uuid4().hex}"
-    targets = ["/usr", "/etc", "/work/..", "/proc", "/dev", str(tmp_path)]
+    targets = ["/usr", "/etc", "/workspace/..", "/proc", "/dev", str(tmp_path)]
     text, _ = run(env, f"for p in {' '.join(targets)}; do echo x > $p/{marker} 2>&1; done; "
                        f"echo x > /tmp/{marker} && echo tmp-ok")
     assert "tmp-ok" in text and "Read-only file system" in text
@@ -211,10 +212,10 @@ def test_bad_limits_are_refused():
 
 
 def test_capped_output_keeps_the_first_and_last_halves():
-    out = _Capped(10)
+    out = Capped(10)
     for chunk in (b"abc", b"defgh", b"ijklmnop", b"qrstuvwxyz"):
         out.add(chunk)
     assert out.text() == "abcde\n[... 16 bytes of output cut ...]\nvwxyz"
-    small = _Capped(100)
+    small = Capped(100)
     small.add(b"hello")
     assert small.text() == "hello" and small.cut == 0
