@@ -112,7 +112,7 @@ class CodeEnv(TextEnv):
         self.python = python
         order = np.random.default_rng(CODE64_SEED).permutation(len(self.rows))
         self.held_rows = [int(i) for i in order[: min(64, len(self.rows) // 5)]]
-        self.train_rows = [i for i in range(len(self.rows)) if i not in set(self.held_rows)] or list(range(len(self.rows)))
+        self.train_rows = [i for i in range(len(self.rows)) if i not in self.held_rows] or list(range(len(self.rows)))
         self.task: Task | SweTask | None = None
         self.episode: Episode | None = None
         self.turns, self.used_s = 0, 0.0
@@ -129,7 +129,7 @@ class CodeEnv(TextEnv):
         return (f"Rules: reply with exactly one ```bash block per turn. It runs in a new bash shell in {WORKDIR} (the "
                 "repository; files you change there persist, processes and /tmp do not), with no network and a "
                 f"limit of {self.limits.wall_s:g} s. Its exit code and output come back. When the bug is fixed, "
-                "reply with a block holding only `submit`. Only changes to the package's source files are graded; "
+                "reply with a block holding only `submit`. Only changes to source files are graded; "
                 f"tests are restored first. You have {self.max_turns} turns; the last one is graded as it stands.")
 
     def _reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -150,7 +150,7 @@ class CodeEnv(TextEnv):
                     self.episode.write(path, text)
             case SweTask():
                 self.episode.copy_in(task.repo)
-        return f"{task.prompt()}\n{self.rules()}", {"task": task.key()[:200]}
+        return f"{task.prompt()}\n{self.rules()}", {}
 
     def _step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.task is None or self.episode is None:

@@ -47,7 +47,8 @@ FUNCTIONS = [
         total += p
     return round(total * (100 - discount) / 100, 2)
 ''', (("total += p", "total -= p"), ("(100 - discount)", "(100 + discount)"), ("100, 2)", "100, 1)")),
-        lambda rng: [[round(float(v), 2) for v in rng.uniform(1, 90, int(rng.integers(2, 6)))], int(rng.integers(5, 40))]),
+        lambda rng: [[round(float(v), 2) for v in rng.uniform(1, 90, int(rng.integers(2, 6)))],
+                     int(rng.integers(5, 40))]),
     Function("count_long_words", '''def count_long_words(text, n):
     """How many whitespace-separated words of `text` have at least `n` characters."""
     count = 0
@@ -56,7 +57,8 @@ FUNCTIONS = [
             count += 1
     return count
 ''', (("len(word) >= n", "len(word) > n"), ("count += 1", "count += 2"), ("text.split()", "text.split(' ', 3)")),
-        lambda rng: [" ".join("abcdefgh"[: int(k)] for k in rng.integers(1, 9, int(rng.integers(4, 10)))), int(rng.integers(2, 6))]),
+        lambda rng: [" ".join("abcdefgh"[: int(k)] for k in rng.integers(1, 9, int(rng.integers(4, 10)))),
+                     int(rng.integers(2, 6))]),
     Function("running_max", '''def running_max(xs):
     """The list whose i-th item is the largest of xs[0], ..., xs[i]."""
     out = []
@@ -217,7 +219,8 @@ class Task:
         files = dict(self.files)
         listing = "\n".join(f"  {path}" for path in files)
         test = files.get("tests/test_visible.py")
-        return f"{self.statement}\nFiles in {WORKDIR}:\n{listing}" + (f"\ntests/test_visible.py:\n{test}" if test else "")
+        shown = f"\ntests/test_visible.py:\n{test}" if test else ""
+        return f"{self.statement}\nFiles in {WORKDIR}:\n{listing}{shown}"
 
     def key(self) -> str:
         return self.prompt()

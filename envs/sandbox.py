@@ -320,7 +320,12 @@ class Sandbox:
                             if killed:
                                 kill()
                             watcher().watch(ns, limits.memory_mb << 20, kill)
-            proc.wait()
+            while True:  # the output may close long before the command ends (`exec >&-; sleep 100`)
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+                    break
+                except subprocess.TimeoutExpired:
+                    kill("timeout")
         finally:
             if ns is not None:
                 watcher().forget(ns)
@@ -334,7 +339,6 @@ class Sandbox:
         return Result(proc.returncode, out.text(), timed_out=killed[:1] == ["timeout"],
                       out_of_memory=killed[:1] == ["memory"], output_cut=out.cut,
                       seconds=time.monotonic() - started)
-
 
     @staticmethod
     def _init(info: dict, pidfds: list[int]) -> int:
@@ -373,8 +377,9 @@ class Episode:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         if self.sandbox.as_root:  # the agent's uid owns what it is given
-            for part in [path, *path.relative_to(self.folder).parents][:-1]:
-                os.chown(self.folder / part if part != path else path, NOBODY, NOBODY)
+            rel = Path(relpath)
+            for part in [rel, *rel.parents[:-1]]:
+                os.chown(self.folder / part, NOBODY, NOBODY)
 
     def copy_in(self, source: str) -> None:
         """Copy a folder's contents (links kept as links) into the work folder, owned by the agent."""

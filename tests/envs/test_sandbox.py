@@ -135,8 +135,10 @@ def test_busy_loop_stops_at_its_cpu_time(env):
     alive(env)
 
 
-def test_sleep_past_the_deadline_is_killed(env):
-    text, info = run(env, "echo before; sleep 100; echo after")
+@pytest.mark.parametrize("command", ["echo before; sleep 100; echo after",
+                                     "echo before; exec >/dev/null 2>&1; sleep 100; echo after"])
+def test_sleep_past_the_deadline_is_killed(env, command):
+    text, info = run(env, command)
     assert "killed: the time limit passed" in text and "before" in text and "after" not in text
     alive(env)
 

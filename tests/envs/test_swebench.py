@@ -13,7 +13,8 @@ from envs import make_env
 from envs.swebench import SweTask, read_rows
 
 SOURCE = "def add(a, b):\n    return a - b\n"
-TESTS = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n"
+TESTS = ("from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+         "def test_zero():\n    assert add(0, 0) == 0\n")
 TEST_PATCH = """diff --git a/test_new.py b/test_new.py
 new file mode 100644
 --- /dev/null
@@ -29,7 +30,8 @@ new file mode 100644
 
 def row(**over) -> dict:
     return {"instance_id": "demo__calc-1", "repo": "demo/calc", "problem_statement": "add() subtracts.",
-            "base_commit": "", "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::test_add", "test_new.py::test_negative"]),
+            "base_commit": "",
+            "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::test_add", "test_new.py::test_negative"]),
             "PASS_TO_PASS": ["tests/test_calc.py::test_zero"], "test_patch": TEST_PATCH, "version": "0.1", **over}
 
 
@@ -65,7 +67,8 @@ def test_rows_are_read_from_jsonl_and_parquet(repos, tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist([row(base_commit=head, PASS_TO_PASS=json.dumps([]))]), tmp_path / "rows.parquet")
+    table = pa.Table.from_pylist([row(base_commit=head, PASS_TO_PASS=json.dumps([]))])
+    pq.write_table(table, tmp_path / "rows.parquet")
     assert read_rows(str(tmp_path / "rows.parquet"), str(folder))[0].pass_to_pass == ()
 
 
