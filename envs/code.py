@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from envs import swebench
 from envs.base import TextEnv, distinct_tasks
 from envs.codetasks import Knobs, Task, make_task
 from envs.sandbox import WORKDIR, Episode, Limits, Result, Sandbox, SandboxConfig
 from envs.swebench import SweTask, read_rows
+from envs.swebench import grade as grade_swe
 
 CODE64_SEED = 32032
 _BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
@@ -186,7 +186,7 @@ class CodeEnv(TextEnv):
         assert self.task is not None and self.episode is not None
         match self.task:
             case SweTask() as task:
-                return swebench.grade(task, self.sandbox, self.episode, self.grade_limits, self.python)
+                return grade_swe(task, self.sandbox, self.episode, self.grade_limits, self.python)
             case task:
                 return self._grade_generated(task)
 
