@@ -253,12 +253,12 @@ class Sandbox:
                 args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
             for name in ("passwd", "group", "hosts", "nsswitch.conf"):
                 args += ["--ro-bind", str(self._etc / name), f"/etc/{name}"]
-        for path in cfg.ro_binds:
+        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
+                 "--bind", str(folder), WORKDIR, "--chdir", WORKDIR]
+        for path in cfg.ro_binds:  # after /tmp's tmpfs, which would hide a path under /tmp
             args += ["--ro-bind", path, path]
         for host, inside in binds:
             args += ["--ro-bind", host, inside]
-        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
-                 "--bind", str(folder), WORKDIR, "--chdir", WORKDIR]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "LANG": "C.UTF-8", "TERM": "dumb",
                "USER": "agent", "PYTHONDONTWRITEBYTECODE": "1", **dict(cfg.env)}
         for key, value in env.items():

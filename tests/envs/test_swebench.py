@@ -120,8 +120,13 @@ def pytest_site(folder) -> str:
     import importlib
 
     site = folder / "site"
-    for name in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging"):
-        shutil.copytree(os.path.dirname(importlib.import_module(name).__file__), site / name)
+    site.mkdir()
+    for name in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py"):
+        path = importlib.import_module(name).__file__
+        if os.path.basename(path) == "__init__.py":
+            shutil.copytree(os.path.dirname(path), site / name)
+        else:  # a module of one file (py.py)
+            shutil.copy(path, site)
     return str(site)
 
 
@@ -139,6 +144,7 @@ def test_a_row_is_played_and_graded_as_swe_bench_grades(repos, tmp_path):
     assert play(env, [])[0] == 0.0
     reward, text = play(env, [cheat])
     assert reward == 0.0 and "do not pass" in text
-    assert play(env, [fixed, cheat])[0] == 1.0
+    reward, text = play(env, [fixed, cheat])
+    assert reward == 1.0, text
     assert play(env, [fixed, "rm calc.py"])[0] == 0.0  # a deleted source file is a change too
     env.close()
