@@ -51,9 +51,15 @@ def startups(args: Args) -> tuple[float, float, float]:
             cpu += time.process_time() - c  # this process's CPU only: the watcher thread's too
             t = time.perf_counter()
             subprocess.run(["/bin/bash", "-c", args.command], cwd=folder, stdin=subprocess.DEVNULL,
-                           capture_output=True, timeout=60)
+                           capture_output=True, timeout=60, env=_bare_env(folder))
             bare.append(time.perf_counter() - t)
     return statistics.median(sandboxed), statistics.median(bare), cpu / args.starts
+
+
+def _bare_env(work: str) -> dict:
+    """What a sandboxed command's environment holds (so `python3` is the same /usr/bin/python3, not
+    a version manager's shim on the host's PATH)."""
+    return {"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8", "TERM": "dumb", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def _commands(task) -> list[str]:
@@ -84,12 +90,12 @@ def bare_episode(task) -> float:
             Path(work, path).write_text(text)
         for command in _commands(task):
             subprocess.run(["/bin/bash", "-c", command], cwd=work, stdin=subprocess.DEVNULL, capture_output=True,
-                           timeout=60)
+                           timeout=60, env=_bare_env(work))
         Path(grader, "run.py").write_text(RUNNER.replace(f'"{WORKDIR}"', repr(work)).replace(
             '"/grader/calls.json"', repr(os.path.join(grader, "calls.json"))))
         Path(grader, "calls.json").write_text(json.dumps(task.calls))
         run = subprocess.run(["python3", "-I", "-S", os.path.join(grader, "run.py")], stdin=subprocess.DEVNULL,
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=_bare_env(work))
         assert MARK in run.stdout, run.stderr
         return float(check(Result(run.returncode, run.stdout), task.expected)[0])
 
