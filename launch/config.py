@@ -149,6 +149,7 @@ class CodeConfig:
     def __post_init__(self) -> None:
         from envs.codetasks import Knobs
 
+        self.ro_binds = tuple(self.ro_binds)  # config.json holds it as a list
         try:
             Knobs(self.functions, self.files, self.bugs, self.hidden_counterexample)
         except ValueError as exc:
