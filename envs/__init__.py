@@ -17,6 +17,7 @@ ENVS = {
     "countdown": "envs.countdown:CountdownEnv",
     "sql": "envs.sql:SqlEnv",
     "calculator": "envs.calculator:CalculatorEnv",
+    "code": "envs.code:CodeEnv",
     "skyrl": "envs.skyrl:SkyrlEnv",
 }
 """Short names accepted by `--env`, mapped to entry points (skyrl is used as skyrl:<id>)."""

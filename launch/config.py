@@ -109,6 +109,67 @@ class CalculatorConfig:
 
 
 @dataclass
+class CodeConfig:
+    """Coding agent (used when --env code): fix a bug in a generated Python package with shell
+    commands, each run in a fresh bubblewrap sandbox (docs/sandbox.md)."""
+
+    max_turns: int = 8
+    """Turns (commands and the submission) per episode; the last is graded as it stands."""
+    command_s: float = 10.0
+    """Wall-clock limit of one command."""
+    grade_s: float = 15.0
+    """Wall-clock limit of grading (the hidden tests in a fresh sandbox)."""
+    episode_s: float = 120.0
+    """Sandbox time of all an episode's commands; past it the episode is graded as it stands."""
+    memory_mb: int = 1024
+    """Resident memory of a command's whole process tree."""
+    output_chars: int = 2000
+    """Output of a command shown (its first and last halves)."""
+    functions: int = 1
+    """Difficulty: functions in a generated package."""
+    files: int = 1
+    """Difficulty: modules they are spread over."""
+    bugs: int = 1
+    """Difficulty: functions with a bug (in different modules where there are enough)."""
+    hidden_counterexample: bool = False
+    """Difficulty: the visible test passes, so only the statement points at the bug."""
+    sandbox_root: str = ""
+    """Folder of the episodes' work folders (default: $TMPDIR/tandem-sandbox-<uid>)."""
+    tasks: str = ""
+    """SWE-bench / SWE-Gym rows (JSONL or Parquet) instead of generated tasks (docs/sandbox.md)."""
+    repos: str = ""
+    """With --code.tasks: the folder of checkouts, one per row, named by instance_id."""
+    rootfs: str = ""
+    """A root filesystem (an exported image) the commands run in instead of the host's /usr."""
+    ro_binds: tuple[str, ...] = ()
+    """Host folders made visible read-only at the same paths (e.g. a Python environment)."""
+    python: str = "python3"
+    """With --code.tasks: the command that runs the environment's Python (pytest is run with it)."""
+
+    def __post_init__(self) -> None:
+        from envs.codetasks import Knobs
+
+        self.ro_binds = tuple(self.ro_binds)  # config.json holds it as a list
+        try:
+            Knobs(self.functions, self.files, self.bugs, self.hidden_counterexample)
+        except ValueError as exc:
+            raise ValueError(f"--code.functions/files/bugs: {exc}") from None
+
+    def kwargs(self) -> dict:
+        return {"max_turns": self.max_turns, "command_s": self.command_s, "grade_s": self.grade_s,
+                "episode_s": self.episode_s, "memory_mb": self.memory_mb, "output_chars": self.output_chars,
+                "functions": self.functions, "files": self.files, "bugs": self.bugs,
+                "hidden_counterexample": self.hidden_counterexample, "sandbox_root": self.sandbox_root,
+                "tasks": self.tasks, "repos": self.repos, "rootfs": self.rootfs, "ro_binds": self.ro_binds,
+                "python": self.python}
+
+
+ENV_TOKENS = {"code": (256, 2048)}
+"""(--actor.max-new-tokens, --actor.max-tokens) an environment needs when both are left at their
+defaults: a bash block is longer than a maze move, and a repository's outputs fill a context."""
+
+
+@dataclass
 class SkyrlConfig:
     """skyrl-gym environments (used when --env skyrl:<id>, e.g. skyrl:gsm8k)."""
 
@@ -179,7 +240,8 @@ class Config:
     '{"enable_thinking": false}' to turn Qwen3's thinking off (empty: the template's defaults)."""
     env: str = "maze"
     """Environment to train on: maze, image-maze (the maze as pictures), countdown, sql, calculator,
-    skyrl:<id> (a skyrl-gym environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
+    code (shell commands in a sandbox; raises --actor.max-new-tokens to 256 and --actor.max-tokens
+    to 2048 when both are left at their defaults), skyrl:<id> (a skyrl-gym environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
     seed: int = 0
     """Seed for task sampling, the engines' samplers and adapter initialisation."""
     ray_address: str | None = None
@@ -197,6 +259,7 @@ class Config:
     countdown: CountdownConfig = field(default_factory=CountdownConfig)
     sql: SqlConfig = field(default_factory=SqlConfig)
     calculator: CalculatorConfig = field(default_factory=CalculatorConfig)
+    code: CodeConfig = field(default_factory=CodeConfig)
     skyrl: SkyrlConfig = field(default_factory=SkyrlConfig)
 
     def __post_init__(self) -> None:
@@ -211,6 +274,10 @@ class Config:
             raise ValueError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
         self._check_template_kwargs()
         self._check_env()
+        defaults = ActorConfig()
+        if self.env in ENV_TOKENS and (self.actor.max_new_tokens, self.actor.max_tokens) == (
+                defaults.max_new_tokens, defaults.max_tokens):
+            self.actor.max_new_tokens, self.actor.max_tokens = ENV_TOKENS[self.env]
         if self.model == "auto":
             self.model = {"maze": "builtin:maze", "image-maze": "builtin:vlm"}.get(self.env, "builtin:tiny")
         if self.max_minutes < 0:
@@ -277,6 +344,8 @@ class Config:
             env_entry(self.env)
         except ValueError as exc:
             raise ValueError(f"--env: {exc}") from None
+        if self.env == "code":
+            self._check_code()
         if self.env.startswith("skyrl:"):
             if not self.skyrl.tasks:
                 raise ValueError(f"--env {self.env} needs --skyrl.tasks: a JSONL or Parquet file of task rows")
@@ -287,6 +356,25 @@ class Config:
                 json.loads(self.skyrl.env_config)
             except ValueError:
                 raise ValueError(f"--skyrl.env-config must be JSON, got {self.skyrl.env_config!r}") from None
+
+    def _check_code(self) -> None:
+        """A step that runs a command and then grades must end before the actor gives up on it, and
+        this machine must be able to sandbox (else one clear error now, never an unsandboxed run)."""
+        code = self.code
+        if code.command_s + code.grade_s + 2 > self.actor.env_timeout_s:
+            raise ValueError(f"--code.command-s ({code.command_s:g}) + --code.grade-s ({code.grade_s:g}) + 2 s must "
+                             f"fit in --actor.env-timeout-s ({self.actor.env_timeout_s:g}): the last turn runs a "
+                             "command and then grades; raise --actor.env-timeout-s or lower the limits")
+        from envs.code import shared_sandbox
+        from envs.sandbox import SandboxConfig, SandboxUnavailable
+        from envs.swebench import read_rows
+
+        try:
+            shared_sandbox(SandboxConfig(root=code.sandbox_root, rootfs=code.rootfs, ro_binds=tuple(code.ro_binds)))
+            if code.tasks:
+                read_rows(code.tasks, code.repos)
+        except (SandboxUnavailable, ValueError) as exc:
+            raise ValueError(f"--env code: {exc}") from None
 
     def to_json(self) -> str:
         """The whole config, as JSON: the launcher writes it into the run directory at start
@@ -333,7 +421,7 @@ class Config:
         """Constructor arguments of --env from its section (--maze.*, --sql.*, ...)."""
         name = "skyrl" if self.env.startswith("skyrl:") else self.env
         section = {"maze": self.maze, "image-maze": self.image_maze, "countdown": self.countdown, "sql": self.sql,
-                   "calculator": self.calculator, "skyrl": self.skyrl}.get(name)
+                   "calculator": self.calculator, "code": self.code, "skyrl": self.skyrl}.get(name)
         return section.kwargs() if section is not None else {}
 
 
