@@ -33,11 +33,11 @@ def main(cfg: Config) -> int:
     import torch
 
     from launch import cluster
-    from launch.fleet import Fleet, PartFailed, init_error
+    from launch.fleet import Fleet, PartFailed, RestartsSpent, init_error
     from launch.monitor import Board
     from launch.parts import (ActorPart, LearnerPart, ReplayPart, actor_options, gpu_demand, learner_gpus,
                               learner_options, replay_options, resolve_policy)
-    from launch.supervise import GroupFailed, LearnerGroup, ReplayService
+    from launch.supervise import LearnerGroup, ReplayService
     from ray.exceptions import RayActorError
 
     from transformers.utils import logging as hf_logging
@@ -135,9 +135,8 @@ def main(cfg: Config) -> int:
             raise
         print(f"error: a part could not start: {init_error(exc)}", file=sys.stderr, flush=True)
         return 1
-    except GroupFailed as exc:
-        print(f"error: {exc}\ncontinue the run from its newest checkpoint with  {resume_command(cfg)}",
-              file=sys.stderr, flush=True)
+    except RestartsSpent as exc:  # an actor, the replay service or the learner group died too often
+        print(restarts_spent(cfg, exc), file=sys.stderr, flush=True)
         return 1
     finally:
         board.close()
@@ -161,6 +160,11 @@ def _lock_run(logdir: str):
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def restarts_spent(cfg: Config, exc: BaseException) -> str:
+    """What the driver prints when a part has died more often than its restarts allow."""
+    return f"error: {exc}\ncontinue the run from its newest checkpoint with  {resume_command(cfg)}"
 
 
 def resume_command(cfg: Config) -> str:
