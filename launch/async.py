@@ -181,8 +181,9 @@ _STOPPING = threading.Event()
 def _catch_interrupts() -> None:
     """Ctrl-C raises KeyboardInterrupt and also sets a flag the monitor loop checks every
     second: a library call that swallows the exception cannot keep the job running. SIGTERM (a
-    scheduler's preemption notice) stops the run cleanly: the learners finish their step and
-    checkpoint, and the job exits with the command that continues it."""
+    scheduler's preemption notice) stops the run cleanly: the learners run up to two more steps
+    (all ranks stop after the same one) and checkpoint, and the job exits with the command that
+    continues it."""
     def handler(signum, frame):
         _INTERRUPTED.set()
         raise KeyboardInterrupt

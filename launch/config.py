@@ -142,7 +142,7 @@ class Config:
     """Optimizer-step budget: the run ends after this many learner steps."""
     max_minutes: float = 0.0
     """Wall-clock budget of the whole run, warm start included (0 = no limit): when it is spent the
-    learners finish the step they are in, the final adapter is saved and evaluated."""
+    learners stop within two steps (all ranks after the same one), the final adapter is saved and evaluated."""
     logdir: str | None = None
     """The run directory: TensorBoard events, config.json, checkpoints, the replay log and the final
     adapter (default runs/<env>-<mode>-<time>)."""

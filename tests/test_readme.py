@@ -145,3 +145,27 @@ def test_the_example_checker_command_runs(guess, tmp_path):
     run = subprocess.run([sys.executable, *shlex.split(line)[1:]], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_run_directory_the_readme_names_is_the_one_the_job_prints():
+    """The quick start's last line is the job's own `done:` line (launch/async.py), naming the
+    directory a default run writes to (Config.run_dir: runs/<env>-<mode>-<time>)."""
+    from launch.config import Config
+
+    text = README.read_text()
+    named = re.search(r"^done: .*; adapter in (\S+)/adapter$", text, re.MULTILINE)
+    assert named, "the quick start shows no `done:` line"
+    pattern = re.escape(Config().run_dir[:-len("20261130-060712")]) + r"\d{8}-\d{6}"
+    assert re.fullmatch(pattern, named.group(1)), (named.group(1), pattern)
+    printed = (ROOT / "launch" / "async.py").read_text()
+    assert 'f"adapter in {logdir}/adapter"' in printed and "logdir = cfg.run_dir" in printed
+    assert "runs/<run>" in text and "runs/default" not in text
+
+
+def test_the_faults_doc_lists_every_flag_resume_may_change():
+    from launch.config import RESUME_SAFE
+
+    text = (ROOT / "docs" / "faults.md").read_text()
+    for name in RESUME_SAFE:
+        if name != "resume":
+            assert f"`--{name.replace('_', '-')}`" in text, name
