@@ -189,6 +189,9 @@ class Config:
     """Evaluate greedily on the fixed evaluation set every this many policy versions."""
     eval_episodes: int = 64
     """Size of the evaluation set (64 gives maze-64)."""
+    config: str | None = None
+    """A YAML or JSON file of settings in the shape of these flags (sections as nested mappings,
+    e.g. examples/maze.yaml, or a run's config.json); flags given beside it override the file."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -349,14 +352,21 @@ environment) would make the rest of the run another experiment."""
 
 
 def resumed_config(argv: list[str]) -> Config:
-    """The config of a command line: parsed as usual, or, with `--resume DIR`, DIR's config.json
-    with the flags given beside it applied; ValueError for a flag that may not change (RESUME_SAFE)
-    or a directory that holds no run."""
+    """The config of a command line: parsed as usual; with `--config FILE`, the file's settings
+    under the flags given (launch/configfile.py); with `--resume DIR`, DIR's config.json with the
+    flags given beside it applied. ValueError for a flag that may not change (RESUME_SAFE), a
+    directory that holds no run, or a file that does not parse."""
     import os
 
     import tyro
 
-    run_dir = _flag_value(argv, "--resume")
+    run_dir, file = _flag_value(argv, "--resume"), _flag_value(argv, "--config")
+    if run_dir is not None and file is not None:
+        raise ValueError("--config starts a new run and --resume continues one: give one of them")
+    if file is not None:
+        from launch.configfile import config_from_file
+
+        return tyro.cli(Config, args=argv, default=config_from_file(Config, file), prog=PROG)
     if run_dir is None:
         return tyro.cli(Config, args=argv, prog=PROG)
     path = os.path.join(run_dir, "config.json")
