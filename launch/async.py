@@ -75,7 +75,7 @@ def main(cfg: Config) -> int:
     env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", **cluster.hf_env()}
     joining = bool(cfg.ray_address)
-    runtime_env = cluster.runtime_env(env_vars, cfg.env, joining)
+    runtime_env = cluster.runtime_env(env_vars, cfg.env, joining, cfg.dataset.reward if cfg.env == "dataset" else "")
     if joining:
         try:
             cluster.join(cfg.ray_address, runtime_env)

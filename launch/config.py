@@ -11,116 +11,11 @@ import time
 from dataclasses import dataclass, field
 
 from actors.actor import ActorConfig
+from launch.envconfig import (CalculatorConfig, CountdownConfig, DatasetConfig, ImageMazeConfig, MazeConfig,
+                              SkyrlConfig, SqlConfig)
 from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, Algo, Correction, LearnerConfig
 from policy.choices import check_choices
 from replay.server import ReplayConfig
-
-
-@dataclass
-class MazeConfig:
-    """The maze environment (used when --env maze)."""
-
-    size: int = 4
-    """Grid side in cells."""
-    wall_density: float = 0.3
-    """Probability that a cell is a wall."""
-    min_path: int = 3
-    """Shortest path length (moves) below which a maze is redrawn."""
-    max_steps: int = 12
-    """Moves allowed before the episode is truncated (reward 0)."""
-    curriculum: str = ""
-    """Maze sizes by policy version, e.g. "3@0,4@20,5@50" (size 3 from version 0, 4 from 20, ...);
-    empty: always --maze.size. Evaluation uses --maze.size."""
-
-    def __post_init__(self) -> None:
-        from envs.maze import parse_curriculum
-
-        try:
-            parse_curriculum(self.curriculum)
-        except ValueError as exc:
-            raise ValueError(f"--maze.curriculum: {exc}") from None
-
-    def kwargs(self) -> dict:
-        return {"size": self.size, "wall_density": self.wall_density, "min_path": self.min_path,
-                "max_steps": self.max_steps, "curriculum": self.curriculum}
-
-
-@dataclass
-class ImageMazeConfig(MazeConfig):
-    """The image maze (used when --env image-maze): the maze shown as a picture every turn, the
-    text saying only the rules and what the last move did."""
-
-    hints: bool = False
-    """Add the text maze's goal / open / new lines to the text (for experiments; off: the
-    picture alone shows the state)."""
-    blank: bool = False
-    """The control: every picture is the same grey image, so only the text can be learned from."""
-
-    def kwargs(self) -> dict:
-        return {**super().kwargs(), "hints": self.hints, "blank": self.blank}
-
-
-@dataclass
-class CountdownConfig:
-    """Countdown (used when --env countdown): make the target from the numbers with + - * /."""
-
-    n_numbers: int = 4
-    """Numbers per puzzle (each used exactly once)."""
-    max_number: int = 25
-    """Numbers are drawn from 1 to this."""
-    max_target: int = 999
-    """Largest target."""
-    max_attempts: int = 3
-    """Answers allowed (each wrong one gets feedback)."""
-
-    def kwargs(self) -> dict:
-        return {"n_numbers": self.n_numbers, "max_number": self.max_number, "max_target": self.max_target,
-                "max_attempts": self.max_attempts}
-
-
-@dataclass
-class SqlConfig:
-    """Text-to-SQL (used when --env sql) on the built-in company database."""
-
-    max_turns: int = 5
-    """Turns (queries and the answer) per episode."""
-    time_limit_s: float = 1.0
-    """Time limit of one query."""
-    max_rows: int = 10
-    """Rows shown for an exploratory query."""
-
-    def kwargs(self) -> dict:
-        return {"max_turns": self.max_turns, "time_limit_s": self.time_limit_s, "max_rows": self.max_rows}
-
-
-@dataclass
-class CalculatorConfig:
-    """Tool use (used when --env calculator): word problems with a calculator tool."""
-
-    max_turns: int = 4
-    """Turns (calculator calls and the answer) per episode."""
-    max_chars: int = 200
-    """Longest expression the calculator accepts."""
-    time_limit_s: float = 0.1
-    """Time limit of one calculation."""
-
-    def kwargs(self) -> dict:
-        return {"max_turns": self.max_turns, "max_chars": self.max_chars, "time_limit_s": self.time_limit_s}
-
-
-@dataclass
-class SkyrlConfig:
-    """skyrl-gym environments (used when --env skyrl:<id>, e.g. skyrl:gsm8k)."""
-
-    tasks: str = ""
-    """Task rows in SkyRL's dataset format: a local JSONL or Parquet file (required)."""
-    eval_file: str = ""
-    """Evaluation rows (default: 64 rows held out of --skyrl.tasks)."""
-    env_config: str = "{}"
-    """The environment's env_config, as JSON."""
-
-    def kwargs(self) -> dict:
-        return {"tasks": self.tasks, "eval_file": self.eval_file, "env_config": self.env_config}
 
 
 @dataclass
@@ -179,7 +74,8 @@ class Config:
     '{"enable_thinking": false}' to turn Qwen3's thinking off (empty: the template's defaults)."""
     env: str = "maze"
     """Environment to train on: maze, image-maze (the maze as pictures), countdown, sql, calculator,
-    skyrl:<id> (a skyrl-gym environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
+    dataset (prompts and a reward function: --dataset.path, --dataset.reward), skyrl:<id> (a
+    skyrl-gym environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
     seed: int = 0
     """Seed for task sampling, the engines' samplers and adapter initialisation."""
     ray_address: str | None = None
@@ -201,6 +97,7 @@ class Config:
     sql: SqlConfig = field(default_factory=SqlConfig)
     calculator: CalculatorConfig = field(default_factory=CalculatorConfig)
     skyrl: SkyrlConfig = field(default_factory=SkyrlConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -280,6 +177,8 @@ class Config:
             env_entry(self.env)
         except ValueError as exc:
             raise ValueError(f"--env: {exc}") from None
+        if self.env == "dataset":
+            self.dataset.check()
         if self.env.startswith("skyrl:"):
             if not self.skyrl.tasks:
                 raise ValueError(f"--env {self.env} needs --skyrl.tasks: a JSONL or Parquet file of task rows")
@@ -336,7 +235,7 @@ class Config:
         """Constructor arguments of --env from its section (--maze.*, --sql.*, ...)."""
         name = "skyrl" if self.env.startswith("skyrl:") else self.env
         section = {"maze": self.maze, "image-maze": self.image_maze, "countdown": self.countdown, "sql": self.sql,
-                   "calculator": self.calculator, "skyrl": self.skyrl}.get(name)
+                   "calculator": self.calculator, "skyrl": self.skyrl, "dataset": self.dataset}.get(name)
         return section.kwargs() if section is not None else {}
 
 
