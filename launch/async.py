@@ -15,6 +15,7 @@ and `python -m launch.async` runs it as usual.)
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -96,7 +97,15 @@ def main(cfg: Config) -> int:
             ray.shutdown()
             print(f"error: nodes of the cluster at {cfg.ray_address} cannot run this job:\n{problems}", file=sys.stderr)
             return 2
-    board = Board(logdir, cfg.steps)
+    try:
+        from launch.sinks import make_sinks
+
+        sinks = make_sinks(cfg.log, logdir, json.loads(cfg.to_json()))
+    except Exception as exc:  # a W&B login or an MLflow server the user must fix
+        ray.shutdown()
+        print(f"error: --log: {exc!r}", file=sys.stderr)
+        return 2
+    board = Board(logdir, cfg.steps, sinks)
     try:
         Replay, Learner, Actor = (ray.remote(p) for p in (ReplayPart, LearnerPart, ActorPart))
         key = secrets.token_bytes(32) if cfg.replay.sign else None  # this run's frame-signing key
@@ -196,7 +205,7 @@ def _catch_interrupts() -> None:
 
 def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fleet) -> None:
     from launch import cluster
-    from launch.monitor import actor_scalars, replay_scalars, step_scalars
+    from launch.monitor import InfoMeans, actor_scalars, replay_scalars, sample_rows, step_scalars
     from launch.parts import make_evaluator
     from learner.checkpoint import Checkpoints
     from policy.adapter import read_adapter
@@ -213,6 +222,7 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
         board.eval(0, evaluator.evaluate())
         last_eval = version = 0
     last_print, newest, limited = 0.0, None, False
+    info, last_sample = InfoMeans(), None
     rate_t, rate_n = time.time(), 0
     try:
         while True:
@@ -236,7 +246,15 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
                 version, board.step = m["version"], m["step"]
                 stats = replay.snapshot()
                 scalars = step_scalars(m)
-                scalars.update(actor_scalars(learners.actor_stats() if cfg.colocate else fleet.stats()))
+                actor_stats = learners.actor_stats() if cfg.colocate else fleet.stats()
+                scalars.update(actor_scalars(actor_stats))
+                scalars.update(info.scalars(actor_stats))
+                every = cfg.log.samples_every
+                if every and (last_sample is None or version - last_sample >= every):
+                    rows = sample_rows(actor_stats)
+                    if rows:
+                        board.text(version, "samples", rows)
+                        last_sample = version
                 scalars["actors/restarts"] = float(sum(fleet.restarts))
                 scalars["learner/restarts"] = float(learners.restarts)
                 scalars["replay/restarts"] = float(replay.restarts)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from actors.actor import ActorConfig
 from launch.envconfig import (CalculatorConfig, CountdownConfig, DatasetConfig, ImageMazeConfig, MazeConfig,
                               SkyrlConfig, SqlConfig)
+from launch.sinks import LogConfig
 from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, Algo, Correction, LearnerConfig
 from policy.choices import check_choices
 from replay.server import ReplayConfig
@@ -98,6 +99,7 @@ class Config:
     calculator: CalculatorConfig = field(default_factory=CalculatorConfig)
     skyrl: SkyrlConfig = field(default_factory=SkyrlConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -111,6 +113,7 @@ class Config:
             raise ValueError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
         self._check_template_kwargs()
         self._check_env()
+        self.log.check()
         if self.model == "auto":
             self.model = {"maze": "builtin:maze", "image-maze": "builtin:vlm"}.get(self.env, "builtin:tiny")
         if self.max_minutes < 0:
@@ -244,9 +247,10 @@ PROG = "python -m launch.async"
 
 RESUME_SAFE = ("actors", "steps", "max_minutes", "eval_every", "ray_address", "resume", "checkpoint_every",
                "keep_checkpoints", "actor.restarts", "actor.spread", "actor.threads", "learner.restarts",
-               "learner.threads", "replay.restarts", "replay.port", "replay.host", "actor.gpus", "learner.gpus")
+               "learner.threads", "replay.restarts", "replay.port", "replay.host", "actor.gpus", "learner.gpus",
+               "log.wandb", "log.mlflow", "log.samples_every")
 """What flags given with --resume may change: how many actors, budgets, placement (the GPUs each
-part asks for too), restarts and threads. Anything else (the model, the algorithm, the batch, the
+part asks for too), restarts, threads and where the run logs. Anything else (the model, the algorithm, the batch, the
 environment) would make the rest of the run another experiment."""
 
 
