@@ -94,13 +94,14 @@ def test_every_readme_command_is_known_and_parses(tmp_path, monkeypatch):
 
     from launch.config import Config
     from launch.eval import EvalArgs
+    from launch.merge import MergeArgs
     from launch.plot import PlotArgs
 
     ci = (ROOT / ".ci" / "run").read_text().replace(" -q", "")
     pyproject = (ROOT / "pyproject.toml").read_text()
     extras = set(re.findall(r"^([\w-]+) = \[", pyproject.split("[project.optional-dependencies]")[1].split("\n[")[0],
                             re.MULTILINE))
-    parsers = {"launch.eval": EvalArgs, "launch.plot": PlotArgs}
+    parsers = {"launch.eval": EvalArgs, "launch.plot": PlotArgs, "launch.merge": MergeArgs}
     (tmp_path / "guess.py").write_text(example_source())  # the example's commands run beside it
     monkeypatch.syspath_prepend(str(tmp_path))
     commands = readme_commands()
@@ -169,3 +170,38 @@ def test_the_faults_doc_lists_every_flag_resume_may_change():
     for name in RESUME_SAFE:
         if name != "resume":
             assert f"`--{name.replace('_', '-')}`" in text, name
+
+
+def test_the_anchor_table_names_only_flags_we_have():
+    """docs/coming-from.md maps verl / TRL / SkyRL names to ours: every flag in our column exists."""
+    from launch.config import _flat, Config
+
+    doc = (ROOT / "docs" / "coming-from.md").read_text()
+    ours = [row.rsplit("|", 2)[-2] for row in doc.splitlines() if row.startswith("| ") and "---" not in row][1:]
+    known = {"--" + k.replace("_", "-") for k in _flat(Config())} | {"--config", "--learner.no-normalize-std"}
+    named = {f for cell in ours for f in re.findall(r"(--[\w.-]+[\w])", cell)}
+    assert len(named) > 25 and named <= known, named - known
+
+
+def api_example() -> str:
+    section = README.read_text().split("## In one process", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+
+
+def test_the_api_example_uses_names_that_exist():
+    """Fast: every import of the README's Python API example resolves."""
+    for module, names in re.findall(r"^from ([\w.]+) import (.+)$", api_example(), re.MULTILINE):
+        imported = importlib.import_module(module)
+        for name in names.split(", "):
+            assert hasattr(imported, name), f"{module}.{name}"
+
+
+@pytest.mark.slow
+def test_the_api_example_trains_in_one_process(tmp_path):
+    """The README's actor + learner + local replay in one process: two GRPO steps on the maze."""
+    (tmp_path / "example.py").write_text(api_example())
+    run = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rewards = [float(line) for line in run.stdout.strip().splitlines()[-2:]]  # what the loop printed
+    assert all(0.0 <= r <= 1.0 for r in rewards), run.stdout
