@@ -95,6 +95,9 @@ def main(args: EvalArgs) -> dict:
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"error: {exc}") from None
     cfg, source = run_config(args, adapter.base_model if adapter else None)
+    import torch
+
+    torch.set_num_threads(1)  # as the run's driver evaluates: the same sums in the same order
     if adapter is not None:
         cfg.learner.lora = lora
     model_path = resolve_policy(cfg)

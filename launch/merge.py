@@ -52,7 +52,7 @@ def merge(args: MergeArgs) -> Path:
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
     config = AutoConfig.from_pretrained(base)
-    saved = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float32
+    saved = getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
         getattr(torch, saved) if isinstance(saved, str) else saved)
     model = load_model(base, "float32")
@@ -61,7 +61,7 @@ def merge(args: MergeArgs) -> Path:
     except (ValueError, RuntimeError, KeyError) as exc:
         raise SystemExit(f"error: the adapter in {adapter.path} cannot be applied to {base}: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
-    merged.to(dtype).save_pretrained(out, safe_serialization=True)
+    merged.to(dtype).save_pretrained(out)  # safetensors
     _save_tokenizer(base, out, vision=is_vision(config))
     (out / "tandem-merge.json").write_text(json.dumps(
         {"adapter": str(Path(adapter.path).resolve()), "version": adapter.version, "base_model": base,

@@ -119,3 +119,25 @@ def test_a_run_config_that_does_not_parse_is_refused_naming_it(tiny_model, tmp_p
     with pytest.raises(SystemExit) as exit:
         main(EvalArgs(str(run / "adapter"), episodes=1))
     assert "config.json" in str(exit.value.code) and "no_such_flag" in str(exit.value.code)
+
+
+@pytest.mark.slow
+def test_eval_of_a_trained_run_scores_what_the_run_scored(tmp_path):
+    """A 2-step run on 3×3 mazes of at most 6 moves with 8 evaluation mazes: `launch.eval` on its
+    directory, with no other flag, gives the success rate the run printed for its final adapter."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "launch.async", "--steps", "2", "--actors", "2", "--learners", "1",
+                          "--learner.groups-per-step", "2", "--eval-episodes", "8", "--maze.size", "3",
+                          "--maze.max-steps", "6", "--logdir", str(run_dir)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    final = re.search(r"-> ([\d.]+)% \(v(\d+)\); adapter in", run.stdout)
+    scored = subprocess.run([sys.executable, "-m", "launch.eval", str(run_dir)], capture_output=True, text=True,
+                            timeout=900)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    result = json.loads(scored.stdout.strip().splitlines()[-1])
+    assert result["episodes"] == 8 and f"{result['success_rate']:.1%}" == f"{final.group(1)}%"
+    assert "8 tasks of maze" in scored.stdout and "config.json" in scored.stdout

@@ -60,7 +60,7 @@ def test_a_chosen_dtype_and_bad_input(run, tmp_path):
     run_dir, _, _ = run
     out = main(MergeArgs(str(run_dir / "adapter"), out=str(tmp_path / "bf16"), dtype="bfloat16"))
     config = AutoConfig.from_pretrained(out)
-    assert str(getattr(config, "torch_dtype", None) or config.dtype).endswith("bfloat16")
+    assert str(config.dtype).endswith("bfloat16")
     with pytest.raises(SystemExit, match="exists and is not an empty directory"):
         main(MergeArgs(str(run_dir), out=str(tmp_path / "bf16")))
     with pytest.raises(SystemExit, match="holds no adapter_model.safetensors"):
