@@ -51,8 +51,9 @@ def play(tiny_model, chat, groups: int) -> dict:
 
 def test_info_numbers_become_env_means_and_samples_come_as_text(tiny_model, chat):
     stats = play(tiny_model, chat, groups=3)
-    assert stats["info_n/turns_used"] == stats["trajectories"] == 12
-    assert stats["info_sum/turns_used"] == 24.0  # every episode's last step: turn 2
+    n = stats["trajectories"]  # 3 groups of 4, or 4 when two finish together
+    assert n >= 12 and stats["info_n/turns_used"] == n
+    assert stats["info_sum/turns_used"] == 2.0 * n  # every episode's last step: turn 2
     assert {k for k in stats if k.startswith("info_")} == {"info_sum/turns_used", "info_n/turns_used",
                                                             "info_sum/chars", "info_n/chars"}
     means = InfoMeans()
