@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -172,6 +173,14 @@ class ActorConfig:
             raise ValueError(f"--actor.env-threads must be at least 1, got {self.env_threads}")
 
 
+SAMPLE_EPISODES = 4
+"""Episodes of the last group an actor's stats show as text."""
+SAMPLE_CHARS = 8000
+"""The end of each sample episode's text kept (its prompt may be long; the turns are at the end)."""
+MAX_INFO_KEYS = 32
+"""Distinct `info` keys counted per actor (an environment that puts ids in its keys cannot flood the logs)."""
+
+
 @dataclass
 class _Live:
     group_id: str
@@ -200,6 +209,8 @@ class Actor:
         self._step = driver(engine)
         self._stats = Counter()
         self._finish = Counter()
+        self._info: dict[str, list[float]] = {}  # info key -> [sum, episodes] of its numbers
+        self._sample: tuple | None = None  # the last pushed group: (task, version, [(reward, reason, tokens)])
         self._lock = threading.Lock()
 
     def _apply_newest(self, block_s: float = 0.0) -> None:
@@ -278,8 +289,36 @@ class Actor:
             self._stats["model_tokens"] += int(sum(t.mask.sum() for t in trajs))
             self._stats["reward_sum"] += float(sum(t.reward for t in trajs))
             self._finish.update(t.finish_reason for t in trajs)
+            for e in g.episodes:
+                self._count_info(e.info)
+            self._sample = (g.task, min(e.version for e in g.episodes),
+                            [(e.reward, e.finish_reason, list(e.tokens)) for e in g.episodes[:SAMPLE_EPISODES]])
+
+    def _count_info(self, info: dict) -> None:
+        """Add an episode's numeric `info` values (the environment's per-episode metrics)."""
+        for k, v in info.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                continue
+            k = str(k)[:64]
+            if k not in self._info and len(self._info) >= MAX_INFO_KEYS:
+                continue
+            acc = self._info.setdefault(k, [0.0, 0])
+            acc[0] += float(v)
+            acc[1] += 1
 
     def stats(self) -> dict:
+        """Counters since start; `info_sum/K` and `info_n/K` for each numeric key K of the episodes'
+        `info`; `sample`, the last pushed group's first episodes as text (for the run's logs)."""
         with self._lock:
-            return {**self._stats, "version": self.engine.version, "env_abandoned": self.runner.abandoned,
-                    **{f"finish/{k}": v for k, v in self._finish.items()}}
+            out = {**self._stats, "version": self.engine.version, "env_abandoned": self.runner.abandoned,
+                   **{f"finish/{k}": v for k, v in self._finish.items()}}
+            for k, (total, n) in self._info.items():
+                out[f"info_sum/{k}"], out[f"info_n/{k}"] = total, n
+            sample = self._sample
+        if sample is not None:
+            task, version, episodes = sample
+            out["sample"] = {"actor": self.name, "task": task, "version": version,
+                             "episodes": [{"reward": r, "finish_reason": why,
+                                           "text": self.chat.tokenizer.decode(tokens)[-SAMPLE_CHARS:]}
+                                          for r, why, tokens in episodes]}
+        return out

@@ -70,6 +70,8 @@ class Episode:
     busy: bool = False
     """True while the environment's reset or step for this episode is running, or (with a
     request engine) while its turn is being generated."""
+    info: dict = field(default_factory=dict)
+    """The `info` of the environment's last step (its numbers become TensorBoard scalars)."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -232,7 +234,7 @@ def _opened(ep: Episode, chat, result, params: SamplingParams, max_tokens: int) 
 
 def _stepped(ep: Episode, chat, result, params: SamplingParams, max_tokens: int) -> None:
     try:
-        obs, reward, terminated, truncated, _ = result
+        obs, reward, terminated, truncated, info = result
         reward = float(reward)
         obs_ids = None if terminated or truncated else chat.observation_ids(obs)
         images = [] if obs_ids is None else message_images(obs)
@@ -240,6 +242,7 @@ def _stepped(ep: Episode, chat, result, params: SamplingParams, max_tokens: int)
         _broken(ep, chat, exc)
         return
     ep.reward += reward
+    ep.info = info if isinstance(info, dict) else {}
     if terminated or truncated:
         ep.finish_reason = "terminated" if terminated else "truncated"
         return

@@ -44,7 +44,7 @@ class Args:
     """Each actor's shared-memory arena (the same-host path; the socket runs use none): room for
     `window` groups and some."""
     capacity: int = 256
-    """The replay's capacity in groups (its default is 4,096; smaller here, so that it binds)."""
+    """The replay's capacity in groups (--replay.capacity defaults to 1,024; smaller here, so that it binds)."""
     window: int = 128
     """Pushes each actor keeps awaiting acknowledgement. With the log, a push is acknowledged once
     a log write has it, so the pipeline must hold a few writes' worth of groups."""

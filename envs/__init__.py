@@ -1,6 +1,7 @@
 """Text environments on the Gymnasium API, registered under `tandem/`.
 
-`--env` takes a short name below, `skyrl:<id>` for a skyrl-gym environment, or
+`--env` takes a short name below (`dataset`: rows of a file and a reward function),
+`skyrl:<id>` for a skyrl-gym environment, or
 `module:Class` for any `TextEnv` of your own (see the README, "Write your own
 environment").
 """
@@ -19,6 +20,7 @@ ENVS = {
     "calculator": "envs.calculator:CalculatorEnv",
     "code": "envs.code:CodeEnv",
     "skyrl": "envs.skyrl:SkyrlEnv",
+    "dataset": "envs.dataset:DatasetEnv",
 }
 """Short names accepted by `--env`, mapped to entry points (skyrl is used as skyrl:<id>)."""
 

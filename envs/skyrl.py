@@ -10,57 +10,27 @@ actors, evaluation and failure isolation treat it like any built-in task.
 Tasks are rows of a local JSONL or Parquet file in SkyRL's dataset format:
 `prompt` (a list of chat messages, or a string), optional `env_class`, and the
 rest (`reward_spec`, `extra_info`, ...) passed to the environment as `extras`.
-The evaluation set is fixed: 64 rows (at most a fifth of the file) drawn with
-the evaluation seed are held out, and training resets never draw them;
-`eval_file` points at a separate file instead.
+The evaluation set is fixed: `min(64, rows // 5)` rows drawn with the evaluation
+seed are held out, and training resets never draw them; `eval_file` points at a
+separate file instead (envs/rows.py).
 
 skyrl-gym is an optional extra (`pip install -e '.[skyrl]'`); Parquet needs pyarrow.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from envs.base import TextEnv
+from envs.rows import Split, load_rows
 
 SKYRL_EVAL_SEED = 90090
 
 
-@functools.lru_cache(maxsize=8)
 def load_tasks(path: str) -> tuple[dict, ...]:
-    """Rows of a JSONL or Parquet task file (cached per process)."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"skyrl task file {path!r} not found: give --skyrl.tasks a JSONL or Parquet file")
-    if file.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ImportError("reading Parquet needs pyarrow: pip install -e '.[skyrl]'") from None
-        rows = pq.read_table(file).to_pylist()
-    else:
-        rows = []
-        for n, line in enumerate(file.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not a JSON object ({exc.msg})") from None
-    for n, row in enumerate(rows, 1):
-        if not isinstance(row, dict) or "prompt" not in row:
-            raise ValueError(f"{path}: row {n} has no 'prompt' (SkyRL rows carry prompt, reward_spec, ...)")
-    if not rows:
-        raise ValueError(f"{path}: no tasks")
-    return tuple(rows)
-
-
-def _held_out(n_rows: int) -> int:
-    return min(64, n_rows // 5)
+    """Rows of a JSONL or Parquet task file in SkyRL's format (cached per process)."""
+    return load_rows(path, "--skyrl.tasks")
 
 
 class SkyrlEnv(TextEnv):
@@ -83,33 +53,20 @@ class SkyrlEnv(TextEnv):
         self.rows = load_tasks(tasks)
         self.eval_rows = load_tasks(eval_file) if eval_file else self.rows
         self.config = json.loads(env_config) if isinstance(env_config, str) else dict(env_config)
-        order = np.random.default_rng(SKYRL_EVAL_SEED).permutation(len(self.rows))
-        held = set() if eval_file else {int(i) for i in order[: _held_out(len(self.rows))]}
-        self.train_rows = [i for i in range(len(self.rows)) if i not in held]
+        self.split = Split(self.rows, self.eval_rows if eval_file else None, SKYRL_EVAL_SEED)
+        self.train_rows = self.split.train
         self.env = None
 
     def eval_tasks(self, seed: int, n: int) -> list[dict[str, Any]]:
-        """With `eval_file`: n rows of it drawn with `seed`. Otherwise, at the evaluation seed,
-        the held-out rows (at most 64); at any other seed, n rows of the task file."""
-        if self.eval_path:
-            order = np.random.default_rng(seed).permutation(len(self.eval_rows))[:n]
-            return [{"row": int(i), "eval": True} for i in order]
-        order = np.random.default_rng(seed).permutation(len(self.rows))
-        if seed == SKYRL_EVAL_SEED:
-            order = order[: _held_out(len(self.rows))]
-        return [{"row": int(i)} for i in order[:n]]
+        """See `envs.rows.Split.eval_tasks`."""
+        return self.split.eval_tasks(seed, n)
 
     def _reset(self, options: dict[str, Any]) -> tuple[list | str, dict[str, Any]]:
         import skyrl_gym
         from omegaconf import OmegaConf
 
         self.close()
-        rows = self.eval_rows if options.get("eval") else self.rows
-        if "row" in options:
-            index = int(options["row"])
-        else:
-            index = self.train_rows[int(self.np_random.integers(len(self.train_rows)))]
-        row = rows[index]
+        index, row = self.split.row(options, self.np_random)
         extras = {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
         self.env = skyrl_gym.make(self.name, env_config=OmegaConf.create(self.config), extras=extras)
         prompt = row["prompt"]

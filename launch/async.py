@@ -15,6 +15,7 @@ and `python -m launch.async` runs it as usual.)
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -33,11 +34,11 @@ def main(cfg: Config) -> int:
     import torch
 
     from launch import cluster
-    from launch.fleet import Fleet, PartFailed, init_error
+    from launch.fleet import Fleet, PartFailed, RestartsSpent, init_error
     from launch.monitor import Board
     from launch.parts import (ActorPart, LearnerPart, ReplayPart, actor_options, gpu_demand, learner_gpus,
                               learner_options, replay_options, resolve_policy)
-    from launch.supervise import GroupFailed, LearnerGroup, ReplayService
+    from launch.supervise import LearnerGroup, ReplayService
     from ray.exceptions import RayActorError
 
     from transformers.utils import logging as hf_logging
@@ -75,7 +76,7 @@ def main(cfg: Config) -> int:
     env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", **cluster.hf_env()}
     joining = bool(cfg.ray_address)
-    runtime_env = cluster.runtime_env(env_vars, cfg.env, joining)
+    runtime_env = cluster.runtime_env(env_vars, cfg.env, joining, cfg.dataset.reward if cfg.env == "dataset" else "")
     if joining:
         try:
             cluster.join(cfg.ray_address, runtime_env)
@@ -96,7 +97,15 @@ def main(cfg: Config) -> int:
             ray.shutdown()
             print(f"error: nodes of the cluster at {cfg.ray_address} cannot run this job:\n{problems}", file=sys.stderr)
             return 2
-    board = Board(logdir, cfg.steps)
+    try:
+        from launch.sinks import make_sinks
+
+        sinks = make_sinks(cfg.log, logdir, json.loads(cfg.to_json()))
+    except Exception as exc:  # a W&B login or an MLflow server the user must fix
+        ray.shutdown()
+        print(f"error: --log: {exc!r}", file=sys.stderr)
+        return 2
+    board = Board(logdir, cfg.steps, sinks)
     try:
         Replay, Learner, Actor = (ray.remote(p) for p in (ReplayPart, LearnerPart, ActorPart))
         key = secrets.token_bytes(32) if cfg.replay.sign else None  # this run's frame-signing key
@@ -135,9 +144,8 @@ def main(cfg: Config) -> int:
             raise
         print(f"error: a part could not start: {init_error(exc)}", file=sys.stderr, flush=True)
         return 1
-    except GroupFailed as exc:
-        print(f"error: {exc}\ncontinue the run from its newest checkpoint with  {resume_command(cfg)}",
-              file=sys.stderr, flush=True)
+    except RestartsSpent as exc:  # an actor, the replay service or the learner group died too often
+        print(restarts_spent(cfg, exc), file=sys.stderr, flush=True)
         return 1
     finally:
         board.close()
@@ -163,6 +171,11 @@ def _lock_run(logdir: str):
     return f
 
 
+def restarts_spent(cfg: Config, exc: BaseException) -> str:
+    """What the driver prints when a part has died more often than its restarts allow."""
+    return f"error: {exc}\ncontinue the run from its newest checkpoint with  {resume_command(cfg)}"
+
+
 def resume_command(cfg: Config) -> str:
     """The command that continues this run."""
     import shlex
@@ -177,8 +190,9 @@ _STOPPING = threading.Event()
 def _catch_interrupts() -> None:
     """Ctrl-C raises KeyboardInterrupt and also sets a flag the monitor loop checks every
     second: a library call that swallows the exception cannot keep the job running. SIGTERM (a
-    scheduler's preemption notice) stops the run cleanly: the learners finish their step and
-    checkpoint, and the job exits with the command that continues it."""
+    scheduler's preemption notice) stops the run cleanly: the learners run up to two more steps
+    (all ranks stop after the same one) and checkpoint, and the job exits with the command that
+    continues it."""
     def handler(signum, frame):
         _INTERRUPTED.set()
         raise KeyboardInterrupt
@@ -191,7 +205,7 @@ def _catch_interrupts() -> None:
 
 def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fleet) -> None:
     from launch import cluster
-    from launch.monitor import actor_scalars, replay_scalars, step_scalars
+    from launch.monitor import InfoMeans, actor_scalars, replay_scalars, sample_rows, step_scalars
     from launch.parts import make_evaluator
     from learner.checkpoint import Checkpoints
     from policy.adapter import read_adapter
@@ -208,6 +222,7 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
         board.eval(0, evaluator.evaluate())
         last_eval = version = 0
     last_print, newest, limited = 0.0, None, False
+    info, last_sample = InfoMeans(), None
     rate_t, rate_n = time.time(), 0
     try:
         while True:
@@ -231,7 +246,15 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
                 version, board.step = m["version"], m["step"]
                 stats = replay.snapshot()
                 scalars = step_scalars(m)
-                scalars.update(actor_scalars(learners.actor_stats() if cfg.colocate else fleet.stats()))
+                actor_stats = learners.actor_stats() if cfg.colocate else fleet.stats()
+                scalars.update(actor_scalars(actor_stats))
+                scalars.update(info.scalars(actor_stats))
+                every = cfg.log.samples_every
+                if every and (last_sample is None or version - last_sample >= every):
+                    rows = sample_rows(actor_stats)
+                    if rows:
+                        board.text(version, "samples", rows)
+                        last_sample = version
                 scalars["actors/restarts"] = float(sum(fleet.restarts))
                 scalars["learner/restarts"] = float(learners.restarts)
                 scalars["replay/restarts"] = float(replay.restarts)

@@ -85,19 +85,20 @@ def hf_env() -> dict[str, str]:
     return {k: os.environ[k] for k in HF_VARS if k in os.environ}
 
 
-def runtime_env(env_vars: dict, env: str, joining: bool) -> dict:
+def runtime_env(env_vars: dict, env: str, joining: bool, reward: str = "") -> dict:
     """The job's Ray runtime environment. Local: `env_vars`, with the launch directory on
     PYTHONPATH (where a `--env module:Class` module is imported from, as in this process).
-    Joining a cluster: the job's packages and the user's environment module as `py_modules`."""
+    Joining a cluster: the job's packages and the user's environment module (and the module of
+    `--dataset.reward`, `reward`) as `py_modules`."""
     env_vars = dict(env_vars)
     if not joining:
         env_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
         return {"env_vars": env_vars}
     here = Path(__file__).resolve().parent.parent
     modules = [str(here / p) for p in PACKAGES if (here / p).is_dir()]
-    user = _user_module(env)
-    if user is not None and user not in modules:
-        modules.append(user)
+    for user in (_user_module(env), _user_module(reward)):
+        if user is not None and user not in modules:
+            modules.append(user)
     return {"env_vars": env_vars, "py_modules": modules, "excludes": ["__pycache__", "*.pyc"]}
 
 

@@ -11,177 +11,16 @@ import time
 from dataclasses import dataclass, field
 
 from actors.actor import ActorConfig
+from launch.envconfig import (CalculatorConfig, CodeConfig, CountdownConfig, DatasetConfig, ImageMazeConfig,
+                              MazeConfig, SkyrlConfig, SqlConfig)
+from launch.sinks import LogConfig
 from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, Algo, Correction, LearnerConfig
 from policy.choices import check_choices
 from replay.server import ReplayConfig
 
-
-@dataclass
-class MazeConfig:
-    """The maze environment (used when --env maze)."""
-
-    size: int = 4
-    """Grid side in cells."""
-    wall_density: float = 0.3
-    """Probability that a cell is a wall."""
-    min_path: int = 3
-    """Shortest path length (moves) below which a maze is redrawn."""
-    max_steps: int = 12
-    """Moves allowed before the episode is truncated (reward 0)."""
-    curriculum: str = ""
-    """Maze sizes by policy version, e.g. "3@0,4@20,5@50" (size 3 from version 0, 4 from 20, ...);
-    empty: always --maze.size. Evaluation uses --maze.size."""
-
-    def __post_init__(self) -> None:
-        from envs.maze import parse_curriculum
-
-        try:
-            parse_curriculum(self.curriculum)
-        except ValueError as exc:
-            raise ValueError(f"--maze.curriculum: {exc}") from None
-
-    def kwargs(self) -> dict:
-        return {"size": self.size, "wall_density": self.wall_density, "min_path": self.min_path,
-                "max_steps": self.max_steps, "curriculum": self.curriculum}
-
-
-@dataclass
-class ImageMazeConfig(MazeConfig):
-    """The image maze (used when --env image-maze): the maze shown as a picture every turn, the
-    text saying only the rules and what the last move did."""
-
-    hints: bool = False
-    """Add the text maze's goal / open / new lines to the text (for experiments; off: the
-    picture alone shows the state)."""
-    blank: bool = False
-    """The control: every picture is the same grey image, so only the text can be learned from."""
-
-    def kwargs(self) -> dict:
-        return {**super().kwargs(), "hints": self.hints, "blank": self.blank}
-
-
-@dataclass
-class CountdownConfig:
-    """Countdown (used when --env countdown): make the target from the numbers with + - * /."""
-
-    n_numbers: int = 4
-    """Numbers per puzzle (each used exactly once)."""
-    max_number: int = 25
-    """Numbers are drawn from 1 to this."""
-    max_target: int = 999
-    """Largest target."""
-    max_attempts: int = 3
-    """Answers allowed (each wrong one gets feedback)."""
-
-    def kwargs(self) -> dict:
-        return {"n_numbers": self.n_numbers, "max_number": self.max_number, "max_target": self.max_target,
-                "max_attempts": self.max_attempts}
-
-
-@dataclass
-class SqlConfig:
-    """Text-to-SQL (used when --env sql) on the built-in company database."""
-
-    max_turns: int = 5
-    """Turns (queries and the answer) per episode."""
-    time_limit_s: float = 1.0
-    """Time limit of one query."""
-    max_rows: int = 10
-    """Rows shown for an exploratory query."""
-
-    def kwargs(self) -> dict:
-        return {"max_turns": self.max_turns, "time_limit_s": self.time_limit_s, "max_rows": self.max_rows}
-
-
-@dataclass
-class CalculatorConfig:
-    """Tool use (used when --env calculator): word problems with a calculator tool."""
-
-    max_turns: int = 4
-    """Turns (calculator calls and the answer) per episode."""
-    max_chars: int = 200
-    """Longest expression the calculator accepts."""
-    time_limit_s: float = 0.1
-    """Time limit of one calculation."""
-
-    def kwargs(self) -> dict:
-        return {"max_turns": self.max_turns, "max_chars": self.max_chars, "time_limit_s": self.time_limit_s}
-
-
-@dataclass
-class CodeConfig:
-    """Coding agent (used when --env code): fix a bug in a generated Python package with shell
-    commands, each run in a fresh bubblewrap sandbox (docs/sandbox.md)."""
-
-    max_turns: int = 8
-    """Turns (commands and the submission) per episode; the last is graded as it stands."""
-    command_s: float = 10.0
-    """Wall-clock limit of one command."""
-    grade_s: float = 15.0
-    """Wall-clock limit of grading (the hidden tests in a fresh sandbox)."""
-    episode_s: float = 120.0
-    """Sandbox time of all an episode's commands; past it the episode is graded as it stands."""
-    memory_mb: int = 1024
-    """Resident memory of a command's whole process tree."""
-    output_chars: int = 2000
-    """Output of a command shown (its first and last halves)."""
-    functions: int = 1
-    """Difficulty: functions in a generated package."""
-    files: int = 1
-    """Difficulty: modules they are spread over."""
-    bugs: int = 1
-    """Difficulty: functions with a bug (in different modules where there are enough)."""
-    hidden_counterexample: bool = False
-    """Difficulty: the visible test passes, so only the statement points at the bug."""
-    sandbox_root: str = ""
-    """Folder of the episodes' work folders (default: $TMPDIR/tandem-sandbox-<uid>)."""
-    tasks: str = ""
-    """SWE-bench / SWE-Gym rows (JSONL or Parquet) instead of generated tasks (docs/sandbox.md)."""
-    repos: str = ""
-    """With --code.tasks: the folder of checkouts, one per row, named by instance_id."""
-    rootfs: str = ""
-    """A root filesystem (an exported image) the commands run in instead of the host's /usr."""
-    ro_binds: tuple[str, ...] = ()
-    """Host folders made visible read-only at the same paths (e.g. a Python environment)."""
-    python: str = "python3"
-    """With --code.tasks: the command that runs the environment's Python (pytest is run with it)."""
-
-    def __post_init__(self) -> None:
-        from envs.codetasks import Knobs
-
-        self.ro_binds = tuple(self.ro_binds)  # config.json holds it as a list
-        try:
-            Knobs(self.functions, self.files, self.bugs, self.hidden_counterexample)
-        except ValueError as exc:
-            raise ValueError(f"--code.functions/files/bugs: {exc}") from None
-
-    def kwargs(self) -> dict:
-        return {"max_turns": self.max_turns, "command_s": self.command_s, "grade_s": self.grade_s,
-                "episode_s": self.episode_s, "memory_mb": self.memory_mb, "output_chars": self.output_chars,
-                "functions": self.functions, "files": self.files, "bugs": self.bugs,
-                "hidden_counterexample": self.hidden_counterexample, "sandbox_root": self.sandbox_root,
-                "tasks": self.tasks, "repos": self.repos, "rootfs": self.rootfs, "ro_binds": self.ro_binds,
-                "python": self.python}
-
-
 ENV_TOKENS = {"code": (256, 2048)}
 """(--actor.max-new-tokens, --actor.max-tokens) an environment needs when both are left at their
 defaults: a bash block is longer than a maze move, and a repository's outputs fill a context."""
-
-
-@dataclass
-class SkyrlConfig:
-    """skyrl-gym environments (used when --env skyrl:<id>, e.g. skyrl:gsm8k)."""
-
-    tasks: str = ""
-    """Task rows in SkyRL's dataset format: a local JSONL or Parquet file (required)."""
-    eval_file: str = ""
-    """Evaluation rows (default: 64 rows held out of --skyrl.tasks)."""
-    env_config: str = "{}"
-    """The environment's env_config, as JSON."""
-
-    def kwargs(self) -> dict:
-        return {"tasks": self.tasks, "eval_file": self.eval_file, "env_config": self.env_config}
 
 
 @dataclass
@@ -203,7 +42,7 @@ class Config:
     """Optimizer-step budget: the run ends after this many learner steps."""
     max_minutes: float = 0.0
     """Wall-clock budget of the whole run, warm start included (0 = no limit): when it is spent the
-    learners finish the step they are in, the final adapter is saved and evaluated."""
+    learners stop within two steps (all ranks after the same one), the final adapter is saved and evaluated."""
     logdir: str | None = None
     """The run directory: TensorBoard events, config.json, checkpoints, the replay log and the final
     adapter (default runs/<env>-<mode>-<time>)."""
@@ -240,8 +79,10 @@ class Config:
     '{"enable_thinking": false}' to turn Qwen3's thinking off (empty: the template's defaults)."""
     env: str = "maze"
     """Environment to train on: maze, image-maze (the maze as pictures), countdown, sql, calculator,
-    code (shell commands in a sandbox; raises --actor.max-new-tokens to 256 and --actor.max-tokens
-    to 2048 when both are left at their defaults), skyrl:<id> (a skyrl-gym environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
+    dataset (prompts and a reward function: --dataset.path, --dataset.reward), code (shell
+    commands in a sandbox; raises --actor.max-new-tokens to 256 and --actor.max-tokens to 2048
+    when both are left at their defaults), skyrl:<id> (a
+    skyrl-gym environment, with --skyrl.tasks), or module:Class (a TextEnv of your own)."""
     seed: int = 0
     """Seed for task sampling, the engines' samplers and adapter initialisation."""
     ray_address: str | None = None
@@ -251,6 +92,9 @@ class Config:
     """Evaluate greedily on the fixed evaluation set every this many policy versions."""
     eval_episodes: int = 64
     """Size of the evaluation set (64 gives maze-64)."""
+    config: str | None = None
+    """A YAML or JSON file of settings in the shape of these flags (sections as nested mappings,
+    e.g. examples/maze.yaml, or a run's config.json); flags given beside it override the file."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -261,6 +105,8 @@ class Config:
     calculator: CalculatorConfig = field(default_factory=CalculatorConfig)
     code: CodeConfig = field(default_factory=CodeConfig)
     skyrl: SkyrlConfig = field(default_factory=SkyrlConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -274,6 +120,7 @@ class Config:
             raise ValueError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
         self._check_template_kwargs()
         self._check_env()
+        self.log.check()
         defaults = ActorConfig()
         if self.env in ENV_TOKENS and (self.actor.max_new_tokens, self.actor.max_tokens) == (
                 defaults.max_new_tokens, defaults.max_tokens):
@@ -344,6 +191,8 @@ class Config:
             env_entry(self.env)
         except ValueError as exc:
             raise ValueError(f"--env: {exc}") from None
+        if self.env == "dataset":
+            self.dataset.check()
         if self.env == "code":
             self._check_code()
         if self.env.startswith("skyrl:"):
@@ -421,7 +270,8 @@ class Config:
         """Constructor arguments of --env from its section (--maze.*, --sql.*, ...)."""
         name = "skyrl" if self.env.startswith("skyrl:") else self.env
         section = {"maze": self.maze, "image-maze": self.image_maze, "countdown": self.countdown, "sql": self.sql,
-                   "calculator": self.calculator, "code": self.code, "skyrl": self.skyrl}.get(name)
+                   "calculator": self.calculator, "code": self.code, "skyrl": self.skyrl,
+                   "dataset": self.dataset}.get(name)
         return section.kwargs() if section is not None else {}
 
 
@@ -430,21 +280,29 @@ PROG = "python -m launch.async"
 
 RESUME_SAFE = ("actors", "steps", "max_minutes", "eval_every", "ray_address", "resume", "checkpoint_every",
                "keep_checkpoints", "actor.restarts", "actor.spread", "actor.threads", "learner.restarts",
-               "learner.threads", "replay.restarts", "replay.port", "replay.host", "actor.gpus", "learner.gpus")
+               "learner.threads", "replay.restarts", "replay.port", "replay.host", "actor.gpus", "learner.gpus",
+               "log.wandb", "log.mlflow", "log.samples_every")
 """What flags given with --resume may change: how many actors, budgets, placement (the GPUs each
-part asks for too), restarts and threads. Anything else (the model, the algorithm, the batch, the
+part asks for too), restarts, threads and where the run logs. Anything else (the model, the algorithm, the batch, the
 environment) would make the rest of the run another experiment."""
 
 
 def resumed_config(argv: list[str]) -> Config:
-    """The config of a command line: parsed as usual, or, with `--resume DIR`, DIR's config.json
-    with the flags given beside it applied; ValueError for a flag that may not change (RESUME_SAFE)
-    or a directory that holds no run."""
+    """The config of a command line: parsed as usual; with `--config FILE`, the file's settings
+    under the flags given (launch/configfile.py); with `--resume DIR`, DIR's config.json with the
+    flags given beside it applied. ValueError for a flag that may not change (RESUME_SAFE), a
+    directory that holds no run, or a file that does not parse."""
     import os
 
     import tyro
 
-    run_dir = _flag_value(argv, "--resume")
+    run_dir, file = _flag_value(argv, "--resume"), _flag_value(argv, "--config")
+    if run_dir is not None and file is not None:
+        raise ValueError("--config starts a new run and --resume continues one: give one of them")
+    if file is not None:
+        from launch.configfile import config_from_file
+
+        return tyro.cli(Config, args=argv, default=config_from_file(Config, file), prog=PROG)
     if run_dir is None:
         return tyro.cli(Config, args=argv, prog=PROG)
     path = os.path.join(run_dir, "config.json")

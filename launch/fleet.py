@@ -60,7 +60,7 @@ class Fleet:
                 if exc.actor_init_failed:  # its constructor raised: a restart would raise again
                     raise PartFailed(f"actor-{i} could not start: {init_error(exc)}") from None
                 if self.restarts[i] >= self.max_restarts:
-                    raise RuntimeError(f"actor-{i} died after {self.restarts[i]} restart(s), the most "
+                    raise RestartsSpent(f"actor-{i} died after {self.restarts[i]} restart(s), the most "
                                        f"--actor.restarts {self.max_restarts} allows: {first_line(exc)}") from None
                 self.restarts[i] += 1
                 self._before[i].update({k: v for k, v in self._last[i].items()
@@ -105,6 +105,11 @@ class Fleet:
         for a in self.actors:
             a.stop.remote()
         ray.get(self.runs, timeout=timeout)
+
+
+class RestartsSpent(RuntimeError):
+    """A part died more often than its --*.restarts allows: the run stops, and the driver prints
+    the `--resume` command that continues it from its newest checkpoint."""
 
 
 class PartFailed(RuntimeError):

@@ -50,12 +50,14 @@ class Evaluator:
 
 
 class Board:
-    """TensorBoard scalars plus a progress line on stdout."""
+    """TensorBoard scalars plus a progress line on stdout; every scalar and text goes to each of
+    `sinks` too (launch/sinks.py: W&B, MLflow), under the same name and step."""
 
-    def __init__(self, logdir: str, steps: int) -> None:
+    def __init__(self, logdir: str, steps: int, sinks: list | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(logdir)
+        self.sinks = list(sinks or [])
         self.steps = steps
         self.t0 = time.time()
         self.last: dict[str, float] = {}
@@ -69,6 +71,19 @@ class Board:
             self.writer.add_scalar(k, v, step)
             self.last[k] = v
         self.writer.flush()
+        for sink in self.sinks:
+            sink.scalars(step, values)
+
+    def text(self, step: int, tag: str, rows: list[dict]) -> None:
+        """Rows of text (sample episodes) at `step`: a markdown table in TensorBoard's text tab."""
+        if not rows:
+            return
+        cells = [" | ".join(str(v).replace("|", "\\|").replace("\n", "<br>") for v in row.values()) for row in rows]
+        table = "\n".join([" | ".join(rows[0]), " | ".join("---" for _ in rows[0]), *cells])
+        self.writer.add_text(tag, table, step)
+        self.writer.flush()
+        for sink in self.sinks:
+            sink.text(step, tag, rows)
 
     def histogram(self, step: int, tag: str, counts: dict[str, int]) -> None:
         """A histogram from {value: count} (e.g. staleness of served groups)."""
@@ -100,6 +115,8 @@ class Board:
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def step_scalars(m: dict) -> dict[str, float]:
@@ -156,3 +173,43 @@ def replay_scalars(stats: dict) -> dict[str, float]:
     for reason in ("stale", "zero_variance"):
         out[f"replay/dropped_{reason}"] = stats["dropped"].get(reason, 0)
     return out
+
+
+class InfoMeans:
+    """The mean of each numeric `info` key the environments returned, over the episodes finished
+    since the last call: `env/<key>` scalars from the actors' cumulative `info_sum/` and `info_n/`
+    counters (actors/actor.py)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[float, float]] = {}
+
+    def scalars(self, stats: list[dict]) -> dict[str, float]:
+        totals: dict[str, list[float]] = {}
+        for s in stats:
+            for k, v in s.items():
+                if k.startswith("info_sum/"):
+                    key = k[len("info_sum/"):]
+                    acc = totals.setdefault(key, [0.0, 0.0])
+                    acc[0] += float(v)
+                    acc[1] += float(s.get(f"info_n/{key}", 0))
+        out = {}
+        for key, (total, n) in totals.items():
+            before_total, before_n = self.seen.get(key, (0.0, 0.0))
+            if n < before_n:  # a restarted actor's counters went back: start again from here
+                before_total, before_n = 0.0, 0.0
+            if n > before_n:
+                out[f"env/{key}"] = (total - before_total) / (n - before_n)
+            self.seen[key] = (total, n)
+        return out
+
+
+def sample_rows(stats: list[dict]) -> list[dict]:
+    """The sample episodes of the first actor that has some, as rows (actor, version, task,
+    reward, finish reason, text)."""
+    for s in stats:
+        sample = s.get("sample")
+        if sample:
+            return [{"actor": sample["actor"], "version": sample["version"], "task": sample["task"],
+                     "reward": round(float(e["reward"]), 4), "finish_reason": e["finish_reason"], "text": e["text"]}
+                    for e in sample["episodes"]]
+    return []

@@ -82,9 +82,12 @@ def actor_options(cfg: Config) -> dict:
 
 
 def gpu_demand(cfg: Config) -> list[tuple[str, int, float]]:
-    """(what, processes, GPUs each) the run asks Ray for, for `cluster.gpu_shortfall`."""
+    """(what, processes, GPUs each) the run asks Ray for, for `cluster.gpu_shortfall`. With
+    --colocate no actor process runs (each learner rank generates on its own devices), so only the
+    evaluator asks for --actor.gpus."""
     evaluator = [("evaluator", 1, cfg.actor.num_gpus)] if cfg.actor.num_gpus > 0 else []
-    return [("actors", cfg.actors, cfg.actor.num_gpus), *evaluator, ("learner ranks", cfg.learners, learner_gpus(cfg))]
+    actors = [] if cfg.colocate else [("actors", cfg.actors, cfg.actor.num_gpus)]
+    return [*actors, *evaluator, ("learner ranks", cfg.learners, learner_gpus(cfg))]
 
 
 def claim_devices(gpus: float, flag: str) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from launch.fleet import first_line
+from launch.fleet import RestartsSpent, first_line
 
 
 class LearnerGroup:
@@ -148,7 +148,7 @@ class LearnerGroup:
             return []
 
 
-class GroupFailed(RuntimeError):
+class GroupFailed(RestartsSpent):
     """The learner group died more often than --learner.restarts allows."""
 
 
@@ -200,7 +200,7 @@ class ReplayService:
 
         why = first_line(exc)
         if self.restarts >= self.max_restarts:
-            raise RuntimeError(f"the replay service died after {self.restarts} restart(s), the most "
+            raise RestartsSpent(f"the replay service died after {self.restarts} restart(s), the most "
                                f"--replay.restarts {self.max_restarts} allows: {why}")
         self.restarts += 1
         ray.kill(self.handle, no_restart=True)

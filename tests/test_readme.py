@@ -94,13 +94,14 @@ def test_every_readme_command_is_known_and_parses(tmp_path, monkeypatch):
 
     from launch.config import Config
     from launch.eval import EvalArgs
+    from launch.merge import MergeArgs
     from launch.plot import PlotArgs
 
     ci = (ROOT / ".ci" / "run").read_text().replace(" -q", "")
     pyproject = (ROOT / "pyproject.toml").read_text()
     extras = set(re.findall(r"^([\w-]+) = \[", pyproject.split("[project.optional-dependencies]")[1].split("\n[")[0],
                             re.MULTILINE))
-    parsers = {"launch.eval": EvalArgs, "launch.plot": PlotArgs}
+    parsers = {"launch.eval": EvalArgs, "launch.plot": PlotArgs, "launch.merge": MergeArgs}
     (tmp_path / "guess.py").write_text(example_source())  # the example's commands run beside it
     monkeypatch.syspath_prepend(str(tmp_path))
     commands = readme_commands()
@@ -145,3 +146,62 @@ def test_the_example_checker_command_runs(guess, tmp_path):
     run = subprocess.run([sys.executable, *shlex.split(line)[1:]], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_run_directory_the_readme_names_is_the_one_the_job_prints():
+    """The quick start's last line is the job's own `done:` line (launch/async.py), naming the
+    directory a default run writes to (Config.run_dir: runs/<env>-<mode>-<time>)."""
+    from launch.config import Config
+
+    text = README.read_text()
+    named = re.search(r"^done: .*; adapter in (\S+)/adapter$", text, re.MULTILINE)
+    assert named, "the quick start shows no `done:` line"
+    pattern = re.escape(Config().run_dir[:-len("20261130-060712")]) + r"\d{8}-\d{6}"
+    assert re.fullmatch(pattern, named.group(1)), (named.group(1), pattern)
+    printed = (ROOT / "launch" / "async.py").read_text()
+    assert 'f"adapter in {logdir}/adapter"' in printed and "logdir = cfg.run_dir" in printed
+    assert "runs/<run>" in text and "runs/default" not in text
+
+
+def test_the_faults_doc_lists_every_flag_resume_may_change():
+    from launch.config import RESUME_SAFE
+
+    text = (ROOT / "docs" / "faults.md").read_text()
+    for name in RESUME_SAFE:
+        if name != "resume":
+            assert f"`--{name.replace('_', '-')}`" in text, name
+
+
+def test_the_anchor_table_names_only_flags_we_have():
+    """docs/coming-from.md maps verl / TRL / SkyRL names to ours: every flag in our column exists."""
+    from launch.config import _flat, Config
+
+    doc = (ROOT / "docs" / "coming-from.md").read_text()
+    ours = [row.rsplit("|", 2)[-2] for row in doc.splitlines() if row.startswith("| ") and "---" not in row][1:]
+    known = {"--" + k.replace("_", "-") for k in _flat(Config())} | {"--config", "--learner.no-normalize-std"}
+    named = {f for cell in ours for f in re.findall(r"(--[\w.-]+[\w])", cell)}
+    assert len(named) > 25 and named <= known, named - known
+
+
+def api_example() -> str:
+    section = README.read_text().split("## In one process", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+
+
+def test_the_api_example_uses_names_that_exist():
+    """Fast: every import of the README's Python API example resolves."""
+    for module, names in re.findall(r"^from ([\w.]+) import (.+)$", api_example(), re.MULTILINE):
+        imported = importlib.import_module(module)
+        for name in names.split(", "):
+            assert hasattr(imported, name), f"{module}.{name}"
+
+
+@pytest.mark.slow
+def test_the_api_example_trains_in_one_process(tmp_path):
+    """The README's actor + learner + local replay in one process: two GRPO steps on the maze."""
+    (tmp_path / "example.py").write_text(api_example())
+    run = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rewards = [float(line) for line in run.stdout.strip().splitlines()[-2:]]  # what the loop printed
+    assert all(0.0 <= r <= 1.0 for r in rewards), run.stdout

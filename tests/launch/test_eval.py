@@ -83,3 +83,61 @@ def test_target_modules_the_engine_cannot_apply_are_refused_naming_the_adapter(t
     message = str(exit.value.code)
     assert str(path) in message, message
     assert re.search(problem, message), message
+
+
+def test_a_run_directory_is_scored_with_its_own_config(tiny_model, tmp_path):
+    """A run trained with non-default settings (a 3×3 maze of 5 moves, 4 new tokens a turn, 3
+    evaluation tasks): launch.eval on its adapter scores exactly what the run's own evaluator (the
+    driver's, built from the same config) scores, and not what the defaults would."""
+    from launch.config import Config
+    from launch.monitor import Evaluator
+
+    run = tmp_path / "run"
+    cfg = Config(learners=1, model=tiny_model, eval_episodes=3, logdir=str(run))
+    cfg.maze.size, cfg.maze.max_steps, cfg.actor.max_new_tokens = 3, 5, 4
+    run.mkdir()
+    (run / "config.json").write_text(cfg.to_json())
+    saved = _save(tiny_model, Q_V, run / "adapter")
+    cfg.learner.lora = Q_V
+    own = Evaluator(cfg, tiny_model)
+    try:
+        own.load(5, saved)
+        expected = own.evaluate()
+        assert {t["maze"].shape for t in own.tasks} == {(3, 3)}
+    finally:
+        own.close()
+    for given in (run / "adapter", run):  # the adapter, or the run directory that holds it
+        assert main(EvalArgs(str(given))) == expected
+    assert expected["episodes"] == 3 and expected["turns_mean"] <= 5  # the defaults: 64 tasks, up to 12 moves
+
+
+def test_a_run_config_that_does_not_parse_is_refused_naming_it(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    _save(tiny_model, Q_V, run / "adapter")
+    (run / "config.json").write_text(json.dumps({"steps": 3, "no_such_flag": 1}))
+    with pytest.raises(SystemExit) as exit:
+        main(EvalArgs(str(run / "adapter"), episodes=1))
+    assert "config.json" in str(exit.value.code) and "no_such_flag" in str(exit.value.code)
+
+
+@pytest.mark.slow
+def test_eval_of_a_trained_run_scores_what_the_run_scored(tmp_path):
+    """A 2-step run on 3×3 mazes of at most 6 moves with 8 evaluation mazes: `launch.eval` on its
+    directory, with no other flag, gives the success rate the run printed for its final adapter."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "launch.async", "--steps", "2", "--actors", "2", "--learners", "1",
+                          "--learner.groups-per-step", "2", "--eval-episodes", "8", "--maze.size", "3",
+                          "--maze.max-steps", "6", "--logdir", str(run_dir)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    final = re.search(r"-> ([\d.]+)% \(v(\d+)\); adapter in", run.stdout)
+    scored = subprocess.run([sys.executable, "-m", "launch.eval", str(run_dir)], capture_output=True, text=True,
+                            timeout=900)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    result = json.loads(scored.stdout.strip().splitlines()[-1])
+    assert result["episodes"] == 8 and f"{result['success_rate']:.1%}" == f"{final.group(1)}%"
+    assert "8 tasks of maze" in scored.stdout and "config.json" in scored.stdout

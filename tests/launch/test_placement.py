@@ -122,6 +122,16 @@ def test_the_gpus_asked_for_are_counted_against_the_cluster():
     assert cluster.gpu_shortfall(gpu_demand(Config()), 0) is None
 
 
+def test_colocated_runs_count_no_actor_gpus():
+    """--colocate runs no actor process: 1.5 GPUs (the evaluator's share and the rank's), not
+    6 actors' shares on top (4.5)."""
+    cfg = Config(colocate=True, learners=1, actor=ActorConfig(gpus=0.5), learner=LearnerConfig(gpus=1))
+    demand = gpu_demand(cfg)
+    assert demand == [("evaluator", 1, 0.5), ("learner ranks", 1, 1.0)]
+    assert cluster.gpu_shortfall(demand, 1.5) is None and cluster.gpu_shortfall(demand, 2) is None
+    assert cluster.gpu_shortfall(demand, 1).startswith("the parts ask for 1.5 GPUs")
+
+
 def test_learner_bundles_carry_their_gpus():
     assert cluster.bundles(2, 0) == [{"CPU": 1}] * 3
     assert cluster.bundles(2, 0.5) == [{"CPU": 1}, {"CPU": 1, "GPU": 0.5}, {"CPU": 1, "GPU": 0.5}]

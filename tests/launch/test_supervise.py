@@ -11,8 +11,8 @@ import time
 import pytest
 
 from launch.config import Config
-from launch.fleet import Fleet
-from launch.supervise import GroupFailed, LearnerGroup
+from launch.fleet import Fleet, RestartsSpent
+from launch.supervise import GroupFailed, LearnerGroup, ReplayService
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,18 @@ class Looping:
     def where(self) -> dict:
         return {"resumed": self.resumed}
 
+    # the replay service's calls (ReplayService)
+    def address(self) -> str:
+        return "tcp://127.0.0.1:5999"
+
+    def serve(self) -> None:
+        self.run()
+
+
+def printed(exc: BaseException) -> str:
+    """What the driver prints when a part's restarts are spent (launch/async.py)."""
+    return importlib.import_module("launch.async").restarts_spent(Config(logdir="/tmp/runs/r1"), exc)
+
 
 def sigkill(ray, handle) -> None:
     os.kill(ray.get(handle.pid.remote(), timeout=60), signal.SIGKILL)
@@ -78,9 +90,11 @@ def test_an_actor_that_dies_past_its_restarts_stops_the_run_with_a_message(ray_l
         assert lines_until(fleet.check)[0].startswith("actor-1 died (")
         assert fleet.restarts == [0, 1]
         sigkill(ray_local, fleet.actors[1])  # the new process, killed too: past --actor.restarts 1
-        with pytest.raises(RuntimeError, match=r"^actor-1 died after 1 restart\(s\), the most --actor.restarts 1 "
-                                               r"allows"):
+        with pytest.raises(RestartsSpent, match=r"^actor-1 died after 1 restart\(s\), the most --actor.restarts 1 "
+                                                r"allows") as spent:
             lines_until(fleet.check)
+        assert printed(spent.value).endswith("continue the run from its newest checkpoint with  "
+                                             "python -m launch.async --resume /tmp/runs/r1")
     finally:
         for a in fleet.actors:
             ray_local.kill(a)
@@ -106,3 +120,20 @@ def test_a_learner_group_that_dies_past_its_restarts_stops_with_the_resume_comma
     # what the driver prints beside GroupFailed (launch/async.py): the exact command that continues the run
     resume_command = importlib.import_module("launch.async").resume_command
     assert resume_command(Config(logdir="/tmp/runs/my run")) == "python -m launch.async --resume '/tmp/runs/my run'"
+
+
+def test_a_replay_service_that_dies_past_its_restarts_stops_with_the_resume_command(ray_local):
+    part = ray_local.remote(Looping).options(num_cpus=0, max_concurrency=4)
+    replay = ReplayService(lambda port: part.remote(), restarts=1, logged=True, timeout=60)
+    try:
+        sigkill(ray_local, replay.handle)
+        line = lines_until(replay.check)[0]
+        assert line.startswith("the replay service died (") and "restarted on port 5999" in line, line
+        sigkill(ray_local, replay.handle)
+        with pytest.raises(RestartsSpent, match=r"^the replay service died after 1 restart\(s\), the most "
+                                                r"--replay.restarts 1 allows") as spent:
+            lines_until(replay.check)
+        assert printed(spent.value).splitlines()[-1] == ("continue the run from its newest checkpoint with  "
+                                                         "python -m launch.async --resume /tmp/runs/r1")
+    finally:
+        ray_local.kill(replay.handle)
