@@ -1,4 +1,4 @@
-"""`python -m launch.async --env code --steps 2`: the whole job with sandboxed coding episodes
+"""`python -m launch.async --env code --steps 2` (one actor, one learner): the whole job with sandboxed coding episodes
 (real Ray, actors running bash in bubblewrap, learners training on the trajectories). The
 untrained tiny policy earns about nothing; the point is that the path runs and leaves nothing."""
 
@@ -20,8 +20,12 @@ def test_code_job_runs_end_to_end(tmp_path):
     root = Path(tempfile.mkdtemp(prefix="tandem-job-"))  # reachable by the sandbox's uid
     root.chmod(0o711)
     try:
+        # One actor and one learner, small groups: the whole path (Ray, the sandboxed episodes, the
+        # replay, a learner step, the evaluation, the cleanup) in minutes on 2 cores.
         run = subprocess.run([sys.executable, "-m", "launch.async", "--env", "code", "--steps", "2",
-                              "--eval-episodes", "8", "--code.sandbox-root", str(root), "--logdir", str(logdir)],
+                              "--actors", "1", "--learners", "1", "--learner.groups-per-step", "1",
+                              "--actor.group-size", "2", "--actor.groups-in-flight", "1",
+                              "--eval-episodes", "2", "--code.sandbox-root", str(root), "--logdir", str(logdir)],
                              capture_output=True, text=True, timeout=1200)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert "done: 2 steps" in run.stdout
