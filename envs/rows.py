@@ -15,6 +15,25 @@ from pathlib import Path
 import numpy as np
 
 
+def read_table(file: Path) -> list:
+    """The rows of a Parquet file (by its suffix) or a JSONL file, as they are; ValueError naming
+    the line that is not JSON, ImportError when Parquet needs pyarrow."""
+    if file.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError("reading Parquet needs pyarrow: pip install pyarrow") from None
+        return pq.read_table(file).to_pylist()
+    rows = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{file}:{n}: not a JSON object ({exc.msg})") from None
+    return rows
+
+
 @functools.lru_cache(maxsize=8)
 def load_rows(path: str, flag: str = "the task file") -> tuple[dict, ...]:
     """Rows of a JSONL or Parquet file (cached per process); `flag` names where the path came
@@ -22,20 +41,7 @@ def load_rows(path: str, flag: str = "the task file") -> tuple[dict, ...]:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"task file {path!r} not found: give {flag} a JSONL or Parquet file")
-    if file.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ImportError("reading Parquet needs pyarrow: pip install pyarrow") from None
-        rows = pq.read_table(file).to_pylist()
-    else:
-        rows = []
-        for n, line in enumerate(file.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not a JSON object ({exc.msg})") from None
+    rows = read_table(file)
     for n, row in enumerate(rows, 1):
         if not isinstance(row, dict) or "prompt" not in row:
             raise ValueError(f"{path}: row {n} has no 'prompt' (a string, or a list of chat messages)")

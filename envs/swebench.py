@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from envs.rows import read_table
 from envs.sandbox import WORKDIR, Episode, Limits, Sandbox
 
 REQUIRED = ("instance_id", "problem_statement", "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -92,20 +93,10 @@ def read_rows(path: str, repos: str) -> tuple[SweTask, ...]:
         raise ValueError(f"--code.tasks {path!r}: no such file (a JSONL or Parquet file of SWE-bench rows)")
     if not repos or not os.path.isdir(repos):
         raise ValueError(f"--code.repos {repos!r}: no such folder (one checkout per row, named by instance_id)")
-    if file.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ValueError("reading Parquet needs pyarrow: pip install pyarrow") from None
-        rows = pq.read_table(file).to_pylist()
-    else:
-        rows = []
-        for n, line in enumerate(file.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as exc:
-                    raise ValueError(f"{path}:{n}: not a JSON object ({exc})") from None
+    try:
+        rows = read_table(file)
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
     tasks = []
     for n, row in enumerate(rows, 1):
         where = f"{path}: row {n}"
