@@ -123,3 +123,11 @@ def test_a_qwen_vl_warm_start_scores_its_rows_at_their_multimodal_positions(qwen
         assert not torch.equal(want[0], torch.arange(len(tokens)))  # the pictures' rows and columns
     model = load_model(qwen_vl)
     assert torch.isfinite(sft_loss(model, ids, mask, inputs))
+
+
+def test_the_warm_start_checks_its_band_at_the_actors_token_budget():
+    # A reply with a stray prefix is a move at the actors' budget and is cut before its direction at a
+    # smaller one, so a check at another budget lands the run's version 0 outside the band.
+    from actors.actor import ActorConfig
+
+    assert WarmstartConfig().max_new_tokens == ActorConfig().max_new_tokens
