@@ -38,7 +38,7 @@ def main(cfg: Config) -> int:
     from launch.monitor import Board
     from launch.parts import (ActorPart, LearnerPart, ReplayPart, actor_options, gpu_demand, learner_gpus,
                               learner_options, replay_options, resolve_policy)
-    from launch.supervise import LearnerGroup, ReplayService
+    from launch.supervise import LearnerFailed, LearnerGroup, ReplayService
     from ray.exceptions import RayActorError
 
     from transformers.utils import logging as hf_logging
@@ -143,6 +143,9 @@ def main(cfg: Config) -> int:
         if not exc.actor_init_failed:
             raise
         print(f"error: a part could not start: {init_error(exc)}", file=sys.stderr, flush=True)
+        return 1
+    except LearnerFailed as exc:  # a rank's own error: its remote traceback, then which rank and what
+        print(f"{exc.cause}\nerror: {exc}", file=sys.stderr, flush=True)
         return 1
     except RestartsSpent as exc:  # an actor, the replay service or the learner group died too often
         print(restarts_spent(cfg, exc), file=sys.stderr, flush=True)

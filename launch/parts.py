@@ -231,14 +231,16 @@ class LearnerPart:
         import pathlib
 
         save_dir = pathlib.Path(self.cfg.run_dir) / "adapter"
+        failed = True
         try:
             version = self.learner.run(self.cfg.steps, save_dir=save_dir, checkpoint_every=self.cfg.checkpoint_every)
             self.learner.save_to(save_dir)
+            failed = False
             return version
         finally:
             if self.colocated is not None:
                 self.colocated.close()  # a colocated vLLM engine's processes end with the rank
-            self.learner.close()
+            self.learner.close(failed)  # a failed rank skips the barrier: its error reaches the driver now
             if self.publisher is not None:
                 self.publisher.close()
 

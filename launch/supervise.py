@@ -8,7 +8,10 @@ the steps since that checkpoint are lost, their data is not served again, and ve
 above the highest published (learner/checkpoint.py). Rank 0 binds the weight channel's ports
 of the first group, so the actors' subscriptions carry over. Past `--learner.restarts` deaths
 the run stops with a message that gives the exact `--resume` command. A rank that raises (a
-bad batch, a model that does not load) stops the run at once: a restart would raise again.
+bad batch, a model that does not load) stops the run at once with its error (`LearnerFailed`): a
+restart would raise again. It leaves its process group without the closing barrier
+(`Learner.close(failed=True)`), so its error reaches the driver at once instead of after the
+collective watchdog.
 
 Usage::
 
@@ -59,20 +62,42 @@ class LearnerGroup:
         from ray.exceptions import RayActorError
 
         done, _ = ray.wait(self.training, num_returns=len(self.training), timeout=0)
-        failed = None
+        failed = {}
         for ref in done:
             try:
                 ray.get(ref)
             except RayActorError as exc:
                 return self._restart(exc)
             except Exception as exc:  # noqa: BLE001 - decided below, after asking who is alive
-                failed = failed or exc
-        if failed is None:
+                failed[self.training.index(ref)] = exc
+        if not failed:
             return []
         dead = self._dead()
         if dead is not None:
             return self._restart(dead)
-        raise failed
+        raise self._failure(failed)
+
+    def _failure(self, failed: dict[int, BaseException], grace: float = 10.0) -> LearnerFailed:
+        """The error that stops the run when ranks raised: the rank whose own code raised comes
+        first, the ranks whose collective failed after it (gloo's peers fail at once; NCCL's wait
+        in theirs, and the run's end stops them) after; every rank's error is in the message."""
+        import ray
+
+        ended, _ = ray.wait(self.training, num_returns=len(self.training), timeout=grace)
+        for ref in ended:
+            rank = self.training.index(ref)
+            if rank not in failed:
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    failed[rank] = exc
+        ranks = sorted(failed, key=lambda r: (peer_failed(failed[r]), r))
+        first = failed[ranks[0]]
+        text = f"learner rank {ranks[0]} raised {describe(first)}"
+        if len(ranks) > 1:
+            text += "; then " + "; ".join(f"rank {r}: {describe(failed[r])}" for r in ranks[1:])
+        return LearnerFailed(text + " (an error of the rank's own: the learner group is not restarted, a restart "
+                             "would raise it again)", cause=first)
 
     def _dead(self, timeout: float = 10.0) -> BaseException | None:
         """The error of a rank whose process is gone, if any (each alive rank answers `where`)."""
@@ -150,6 +175,34 @@ class LearnerGroup:
 
 class GroupFailed(RestartsSpent):
     """The learner group died more often than --learner.restarts allows."""
+
+
+class LearnerFailed(RuntimeError):
+    """A learner rank raised: the run stops with that rank's error (`cause`, with its remote
+    traceback) rather than restarting into the same error."""
+
+    def __init__(self, text: str, cause: BaseException) -> None:
+        super().__init__(text)
+        self.cause = cause
+
+
+_PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker", "NCCL", "Broken pipe",
+                "DistBackendError", "DistNetworkError")
+
+
+def peer_failed(exc: BaseException) -> bool:
+    """Whether a rank's error looks like its collective failing because another rank left (a
+    gloo socket closed, an NCCL error), rather than an error of its own code."""
+    cause = getattr(exc, "cause", exc)  # a RayTaskError carries the rank's exception
+    names = {c.__name__ for c in type(cause).__mro__}
+    return bool(names & {"DistError", "DistBackendError", "DistNetworkError"}) or any(
+        m in str(cause) for m in _PEER_FAILED)
+
+
+def describe(exc: BaseException) -> str:
+    """A rank's exception in one line: its type and the first line of its message."""
+    cause = getattr(exc, "cause", exc)
+    return f"{type(cause).__name__}: {first_line(cause)}"
 
 
 class ReplayService:

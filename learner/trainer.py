@@ -502,9 +502,18 @@ class Learner:
             return
         write_adapter(path, tensors, self.cfg.lora, self.model_path, self.version)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Leave the process group: after a clean run all ranks meet in a barrier first. A rank that
+        `failed` leaves at once, since its peers may sit in another collective (a barrier would hang
+        until the watchdog, and the error would never reach the driver): on gloo it destroys the
+        group, which fails the peers' collectives at once; on NCCL it leaves the group to the end of
+        the process (ncclCommAbort waits on peers in some NCCL versions), which the driver ends."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if not failed:
             dist.barrier()
+            dist.destroy_process_group()
+        elif dist.get_backend() == "gloo":
             dist.destroy_process_group()

@@ -12,7 +12,9 @@ import pytest
 
 from launch.config import Config
 from launch.fleet import Fleet, RestartsSpent
-from launch.supervise import GroupFailed, LearnerGroup, ReplayService
+from launch.parts import LearnerPart
+from launch.supervise import GroupFailed, LearnerFailed, LearnerGroup, ReplayService
+from learner.trainer import Learner
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +139,65 @@ def test_a_replay_service_that_dies_past_its_restarts_stops_with_the_resume_comm
                                                          "python -m launch.async --resume /tmp/runs/r1")
     finally:
         ray_local.kill(replay.handle)
+
+
+class FailingLearner(Learner):
+    """A real learner rank in a real gloo group whose step raises on rank 1 while rank 0 waits in a
+    collective (a bad batch on one rank), as in FSDP's backward."""
+
+    def setup(self, resume: bool = False) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=self.dist_url, rank=self.rank, world_size=self.world)
+
+    def step(self) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        if self.rank == 1:
+            raise ValueError("token id 70000 is past the vocabulary (65536) in rank 1's batch")
+        dist.all_reduce(torch.ones(4))  # rank 0: waits for rank 1, which never comes
+        self.steps_done += 1
+        return {}
+
+
+class FailingPart(LearnerPart):
+    """The real `LearnerPart.train` (its closing of the rank on error) over `FailingLearner`."""
+
+    def rendezvous(self) -> str:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+    def setup(self, dist_url: str, resume: bool, ports: tuple) -> None:
+        self.learner = FailingLearner(self.cfg.learner, "unused", self.rank, 2, dist_url, replay=None)
+        self.learner.setup()
+        return ("tcp://127.0.0.1:2", "tcp://127.0.0.1:3") if self.rank == 0 else None
+
+
+def test_an_error_on_one_learner_rank_stops_the_run_with_that_error_and_no_restart(ray_local, tmp_path):
+    cfg = Config(logdir=str(tmp_path), learners=2, steps=5)
+    part = ray_local.remote(FailingPart).options(num_cpus=0, max_concurrency=2)
+    group = LearnerGroup(lambda r: part.remote(cfg, "unused", r, "tcp://127.0.0.1:1", None), 2, restarts=2)
+    try:
+        group.start()
+        with pytest.raises(LearnerFailed) as failed:
+            lines_until(group.check)  # raises before rank 0's collective times out (gloo's default: 30 min)
+        text = str(failed.value)
+        assert text.startswith("learner rank 1 raised ValueError: token id 70000 is past the vocabulary"), text
+        assert "rank 0: RuntimeError" in text and "by peer" in text, text  # gloo's peer failed at once
+        assert "ValueError" in str(failed.value.cause)  # the remote traceback, for the driver to print
+        assert group.restarts == 0
+    finally:
+        for r in group.ranks:
+            ray_local.kill(r)
+
+
+def test_a_rank_error_and_its_peers_collective_failure_are_told_apart():
+    from launch.supervise import describe, peer_failed
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:28868")
+    assert peer_failed(gloo) and not peer_failed(ValueError("bad batch"))
+    assert describe(ValueError("bad batch\nmore")) == "ValueError: bad batch"
