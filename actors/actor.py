@@ -98,7 +98,9 @@ class ActorConfig:
 
     memory_fraction: float = 0.85
     """vLLM on a GPU: the fraction of the device's memory the engine may take (weights,
-    activations, KV cache); lower it when other parts share the device."""
+    activations, KV cache); lower it when other parts share the device. Its CUDA context (~1 GiB)
+    lies outside it: engines sharing a GPU with --actor.gpus g need less than g; beside a
+    colocated learner, what the rank leaves (the rank checks at start and before each wake)."""
     kv_cache_gb: float = 0.0
     """vLLM: KV-cache size in GiB, instead of what --actor.memory-fraction leaves (0 = that on a
     GPU, 1 GiB on vLLM's CPU build)."""
@@ -134,6 +136,7 @@ class ActorConfig:
             return {"dtype": "float32" if self.dtype == "auto" else self.dtype,
                     "recompute_kv": self.recompute_kv, "merge_lora": self.merge_lora}
         return {"dtype": self.dtype, "memory_fraction": self.memory_fraction, "kv_cache_gb": self.kv_cache_gb,
+                "gpu_share": self.gpus if 0 < self.gpus < 1 else 1.0,
                 "max_model_len": self.max_tokens, "max_lora_rank": self.max_lora_rank,
                 "max_loras": self.max_loras, "in_flight": self.in_flight, "threads": self.threads,
                 "enforce_eager": self.enforce_eager, "max_images": self.max_images}
@@ -150,10 +153,12 @@ class ActorConfig:
         if self.device == "cpu" and self.gpus > 0:
             raise ValueError(f"--actor.gpus {self.gpus:g} with --actor.device cpu: the engine would leave its GPU "
                              "idle; drop --actor.device cpu (or --actor.gpus)")
-        if self.engine == "vllm" and 0 < self.gpus < self.memory_fraction:
+        if self.engine == "vllm" and 0 < self.gpus < 1 and self.memory_fraction >= self.gpus:
             raise ValueError(f"--actor.memory-fraction {self.memory_fraction:g} with --actor.gpus {self.gpus:g}: "
-                             "each vLLM engine sharing the GPU would take that fraction of all its memory; set "
-                             f"--actor.memory-fraction to {self.gpus:g} or less")
+                             "each vLLM engine sharing the GPU would take that fraction of all its memory, and "
+                             "its CUDA context (~1 GiB) lies outside it; set --actor.memory-fraction below "
+                             f"{self.gpus:g}, e.g. {self.gpus - 0.03:.2f} on an 80 GB GPU (the engine checks "
+                             "the exact bound against its GPU at start)")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"--actor.memory-fraction must be in (0, 1], got {self.memory_fraction}")
         if self.kv_cache_gb < 0 or self.max_lora_rank < 0 or self.max_loras < 1:

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.engine import Completion, SamplingParams, stream_seed
+from actors.gpu_memory import check_shared_fraction, lock_path, one_at_a_time
 from actors.vllm_checks import (adapter_shapes, can_sleep, check_adapter, check_vllm_version, children,
                                  is_cpu_build, lora_rank_slot)
 
@@ -110,9 +111,12 @@ class VLLMEngine:
     def __init__(self, model_path: str, lora, device: str = "auto", seed: int = 0, dtype: str = "auto",
                  memory_fraction: float = 0.85, kv_cache_gb: float = 0.0, max_model_len: int | None = None,
                  max_lora_rank: int = 0, max_loras: int = 2, in_flight: str = "finish", threads: int = 1,
-                 enforce_eager: bool = False, sleep_mode: bool = False, max_images: int = 32) -> None:
+                 enforce_eager: bool = False, sleep_mode: bool = False, max_images: int = 32,
+                 gpu_share: float = 1.0) -> None:
         """`sleep_mode`: the engine can `sleep` (colocated mode, where a learner trains on the same
         GPU between generations); only where vLLM's platform can (CUDA), see `sleep`.
+        `gpu_share`: the share of its GPU this engine was given (--actor.gpus): `memory_fraction`
+        must leave room for its CUDA context within it (actors/gpu_memory.py).
         `max_images`: most images in one prompt, for a vision-language model."""
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every request at INFO
         try:
@@ -184,9 +188,16 @@ class VLLMEngine:
         self._thread.start()
         self.llm = None
         self._children: list = []
+        lock = None
+        if self.cuda:
+            from vllm.platforms import current_platform
+
+            check_shared_fraction(memory_fraction, gpu_share, current_platform.get_device_total_memory(0))
+            lock = lock_path(os.environ.get("CUDA_VISIBLE_DEVICES") or "0")
         try:
             before = {c.pid for c in children()}
-            self._call(self._start())
+            with one_at_a_time(lock):  # engines sharing the GPU profile its free memory one after another
+                self._call(self._start())
             # vLLM's engine process (its workers are its own children). Only direct children: in a
             # Ray driver, every Ray worker descends from this process too.
             self._children = [c for c in children() if c.pid not in before]

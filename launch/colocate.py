@@ -79,6 +79,9 @@ class Colocated:
         if engine is None:
             engine = _engine(learner, actor_cfg, seed)
         self.own_model = getattr(engine, "model", None) is learner.model
+        self.fraction = actor_cfg.memory_fraction
+        self.released = 0
+        """Bytes of the GPU the engine released at its last sleep: what its next wake takes back."""
         self.credits = _Quota(replay, lambda: learner.version)
         self.actor = Actor(actor_cfg, f"learner-{learner.rank}", engine, chat, make_env, self.credits, _Own(),
                            seed=seed)
@@ -97,7 +100,7 @@ class Colocated:
                 self.actor.run(threading.Event(), max_groups=self.share)
             return
         adapter = learner.published  # the snapshot each rank took when it published this version
-        engine.wake()
+        self._wake()
         try:
             if adapter.version > engine.version:
                 engine.load_adapter(adapter.version, adapter.tensors)
@@ -106,7 +109,35 @@ class Colocated:
                                    f"learner's v{adapter.version}")
             self.actor.run(threading.Event(), max_groups=self.share)
         finally:
+            self._sleep()
+
+    def _sleep(self) -> None:
+        """Put the engine to sleep, measuring on a GPU what it releases (what its wake takes back)."""
+        engine, device = self.actor.engine, self.learner.device
+        if device.type != "cuda":
             engine.sleep()
+            return
+        import torch
+
+        before = torch.cuda.mem_get_info(device)[0]
+        if engine.sleep():
+            self.released = max(torch.cuda.mem_get_info(device)[0] - before, 0)
+
+    def _wake(self) -> None:
+        """Wake the engine. On a GPU the learner's caching allocator first returns its step's
+        cached blocks (vLLM re-creates every allocation at its original size), and the rank checks
+        that what the engine released at its sleep fits in what is free (a clear error instead of
+        vLLM running out of memory mid-wake)."""
+        engine, device = self.actor.engine, self.learner.device
+        if device.type == "cuda" and getattr(engine, "asleep", False):
+            import torch
+
+            from actors.gpu_memory import check_wake
+
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(device)
+            check_wake(free, self.released, torch.cuda.memory_reserved(device), total, self.fraction)
+        engine.wake()
 
     def stats(self) -> dict:
         return self.actor.stats()
@@ -125,5 +156,13 @@ def _engine(learner, actor_cfg, seed: int):
     if actor_cfg.engine == "torch":
         return TorchEngine(learner.model_path, learner.cfg.lora, device=str(learner.device), seed=seed,
                            model=learner.model)
+    if learner.device.type == "cuda":
+        import torch
+
+        from actors.gpu_memory import check_start_beside
+
+        torch.cuda.empty_cache()  # vLLM requires its whole fraction free at start
+        free, total = torch.cuda.mem_get_info(learner.device)
+        check_start_beside(actor_cfg.memory_fraction, free, total, torch.cuda.memory_reserved(learner.device))
     return make_engine(actor_cfg.engine, learner.model_path, learner.cfg.lora, device=learner.device.type,
                        seed=seed, sleep_mode=True, **actor_cfg.engine_options())

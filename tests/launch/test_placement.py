@@ -142,6 +142,8 @@ def test_learner_bundles_carry_their_gpus():
     (lambda: ActorConfig(gpus=-1), "--actor.gpus is the GPUs of one actor"),
     (lambda: ActorConfig(gpus=1, device="cpu"), "--actor.gpus 1 with --actor.device cpu"),
     (lambda: ActorConfig(engine="vllm", gpus=0.5), "--actor.memory-fraction 0.85 with --actor.gpus 0.5: each vLLM"),
+    (lambda: ActorConfig(engine="vllm", gpus=0.5, memory_fraction=0.5),
+     "--actor.memory-fraction 0.5 with --actor.gpus 0.5: .* its CUDA context .* below 0.5, e.g. 0.47"),
     (lambda: LearnerConfig(gpus=2), "--learner.gpus is the GPUs of one rank, in \\[0, 1\\]"),
     (lambda: LearnerConfig(gpus=1, device="cpu"), "needs --learner.device auto or cuda; got 1 with cpu"),
     (lambda: Config(learners=2, learner=LearnerConfig(gpus=0.5)), "NCCL needs a GPU of its own for each rank"),

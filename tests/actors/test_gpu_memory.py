@@ -1,0 +1,69 @@
+"""The GPU memory arithmetic of vLLM engines (actors/gpu_memory.py): engines sharing a GPU, an
+engine beside a colocated learner, its wake, and the lock that starts engines one at a time.
+Pure arithmetic and a real lock file; the same checks on a real GPU: bench/gpu_check.py."""
+
+import fcntl
+
+import pytest
+
+from actors.gpu_memory import (CONTEXT_BYTES, GIB, check_shared_fraction, check_start_beside, check_wake,
+                               largest_fraction, largest_shared_fraction, lock_path, one_at_a_time)
+
+
+def test_engines_sharing_a_gpu_leave_room_for_each_cuda_context():
+    # 0.5 of an 80 GiB GPU is 40 GiB; the context's 1 GiB leaves 39 GiB = 0.4875 of it: 0.48
+    assert largest_shared_fraction(0.5, 80 * GIB) == 0.48
+    assert largest_shared_fraction(0.25, 24 * GIB) == 0.20  # 0.25 - 1/24 = 0.2083
+    for total in (16 * GIB, 24 * GIB, 80 * GIB, 141 * GIB):
+        for share in (0.5, 0.25, 1 / 3):
+            fraction = largest_shared_fraction(share, total)
+            engines = round(1 / share)
+            assert engines * (fraction * total + CONTEXT_BYTES) <= total  # they all fit, contexts counted
+            check_shared_fraction(fraction, share, total)
+
+
+def test_a_fraction_equal_to_the_share_is_refused_with_the_fraction_that_fits():
+    with pytest.raises(ValueError, match=r"--actor.memory-fraction 0.5 with --actor.gpus 0.5 on a GPU of 80.0 GiB.*"
+                                         r"set --actor.memory-fraction 0.48 or less"):
+        check_shared_fraction(0.5, 0.5, 80 * GIB)
+    check_shared_fraction(0.45, 0.5, 80 * GIB)  # the README's example fits
+    check_shared_fraction(0.95, 1.0, 80 * GIB)  # a whole GPU: vLLM's own check decides
+
+
+def test_an_engine_beside_a_learner_gets_what_the_rank_leaves_less_its_context():
+    # 80 GiB GPU, the learner rank holds 30 GiB and contexts take 1: 49 GiB free for the engine's
+    # process, 48 after its context = 0.6 of the GPU
+    free = 49 * GIB
+    assert largest_fraction(free, 80 * GIB) == 0.6
+    check_start_beside(0.6, free, 80 * GIB, held=30 * GIB)
+    with pytest.raises(ValueError, match=r"--actor.memory-fraction 0.85 beside the learner rank: the GPU has 80.0 "
+                                         r"GiB, the rank holds 30.0 GiB and 49.0 GiB are free.*set "
+                                         r"--actor.memory-fraction 0.6 or less"):
+        check_start_beside(0.85, free, 80 * GIB, held=30 * GIB)
+    with pytest.raises(ValueError, match="the learner leaves no room for an engine: use more --learners"):
+        check_start_beside(0.1, GIB // 2, 80 * GIB, held=79 * GIB)
+
+
+def test_a_wake_that_does_not_fit_stops_with_what_to_lower():
+    check_wake(free=50 * GIB, needed=50 * GIB, held=20 * GIB, total=80 * GIB, fraction=0.6)
+    # 8 GiB short of 80: 0.1 of the GPU, and 0.01 more for the rounding: 0.6 - 0.1 - 0.01
+    with pytest.raises(RuntimeError, match=r"needs 50.0 GiB to wake, but 42.0 GiB of the GPU's 80.0 GiB are free "
+                                           r"while the learner rank holds 28.0 GiB.*to 0.49 or less"):
+        check_wake(free=42 * GIB, needed=50 * GIB, held=28 * GIB, total=80 * GIB, fraction=0.6)
+
+
+def test_engines_on_one_gpu_take_its_lock_one_at_a_time(tmp_path):
+    path = lock_path("3,1", str(tmp_path))
+    assert path == str(tmp_path / "tandem-gpu-3.lock")
+    assert lock_path("GPU-5f1c2a90-aa", str(tmp_path)).endswith("tandem-gpu-GPU-5f1c2a90-aa.lock")
+    assert lock_path(None) is None and lock_path("") is None
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES names a device as '../x'"):
+        lock_path("../x")
+    with one_at_a_time(path):
+        with open(path) as other:  # another engine's open file: flock excludes it, in any process
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(path) as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the engine has started
+    with one_at_a_time(None):  # no GPU named: nothing to hold
+        pass
