@@ -22,7 +22,7 @@ Design decisions:
 - **Adapters in memory.** vLLM loads a LoRA adapter from a directory, so each
   version from the weight channel is written in PEFT format (policy/adapter.py,
   the learner's own layout) to a private directory on tmpfs (/dev/shm where it
-  exists), loaded with `add_lora` (so a malformed adapter fails there, with a
+  exists and has room; on disk otherwise: actors/adapter_files.py), loaded with `add_lora` (so a malformed adapter fails there, with a
   message, before any request uses it) under a new LoRA id (vLLM caches
   adapters by id). A version's directory is removed once no request uses it
   any more.
@@ -51,14 +51,13 @@ import asyncio
 import itertools
 import os
 import queue
-import shutil
-import tempfile
 import threading
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.adapter_files import AdapterFiles
 from actors.engine import Completion, SamplingParams, stream_seed
 from actors.gpu_memory import check_shared_fraction, lock_path, one_at_a_time
 from actors.vllm_checks import (adapter_shapes, can_sleep, check_adapter, check_vllm_version, children,
@@ -176,8 +175,7 @@ class VLLMEngine:
             banned = set(self.scheme.special_ids)
             self._allowed = [i for i in range(config.get_text_config().vocab_size) if i not in banned]
         self._shapes = adapter_shapes(model_path, lora)
-        shm = Path("/dev/shm")
-        self._dir = Path(tempfile.mkdtemp(prefix="tandem-lora-", dir=shm if shm.is_dir() else None))
+        self._files = AdapterFiles()  # tmpfs when the adapter fits there, else disk
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._turns: dict[Hashable, _Turn] = {}
         self._ids = itertools.count()
@@ -229,16 +227,14 @@ class VLLMEngine:
     async def _load(self, version: int, tensors: dict) -> None:
         from vllm.lora.request import LoRARequest
 
-        from policy.adapter import write_adapter
-
-        path = self._dir / f"v{version}"
-        path.mkdir()
+        path = None
         try:
-            write_adapter(path, tensors, self.lora, self.model_path, version)
+            path = self._files.write(version, tensors, self.lora, self.model_path)
             request = LoRARequest(f"tandem-v{version}", next(self._lora_ids), str(path))
             await self.llm.add_lora(request)
         except Exception as exc:
-            shutil.rmtree(path, ignore_errors=True)
+            if path is not None:
+                self._files.remove(path)
             raise ValueError(f"vLLM could not load adapter v{version}: {exc}") from exc
         old, self._current = self._current, _Version(version, request, path)
         self.version = version
@@ -255,7 +251,7 @@ class VLLMEngine:
             return
         if v.request is not None:
             await self.llm.remove_lora(v.request.lora_int_id)
-            shutil.rmtree(v.path, ignore_errors=True)
+            self._files.remove(v.path)
 
     # -- sleeping (colocated mode) ------------------------------------------------
     def sleep(self) -> bool:
@@ -447,4 +443,4 @@ class VLLMEngine:
                 pass
         psutil.wait_procs(procs, timeout=10)
         self._children = []
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._files.close()
