@@ -33,7 +33,7 @@ from typing import Literal
 
 import numpy as np
 
-from actors.engine import Engine, RequestEngine, SamplingParams, stream_seed
+from actors.engine import Engine, RequestEngine, SamplingParams, engine_dtype, stream_seed
 from actors.envrunner import EnvRunner
 from actors.rollout import Episode, close, driver, start
 from envs.base import TextEnv
@@ -72,7 +72,8 @@ class ActorConfig:
     "cuda" (with --actor.gpus 0 that asks for one GPU per actor)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and compute dtype of the engine: "float32", "bfloat16", "float16" or "auto"
-    (bfloat16 for vLLM on a GPU, whose LoRA kernels take only 16-bit types; float32 otherwise)."""
+    (bfloat16 on a GPU, for both engines: vLLM's LoRA kernels take only 16-bit types, and a 7B
+    torch engine in float32 with its merged copy would take ~56 GB; float32 on CPU)."""
     threads: int = 1
     """CPU threads per actor process (torch's, and vLLM's CPU build's OpenMP threads)."""
     spread: bool = True
@@ -133,7 +134,7 @@ class ActorConfig:
     def engine_options(self) -> dict:
         """Keyword arguments of `make_engine` for --actor.engine, from this section."""
         if self.engine == "torch":
-            return {"dtype": "float32" if self.dtype == "auto" else self.dtype,
+            return {"dtype": engine_dtype(self.dtype, self.engine_device),
                     "recompute_kv": self.recompute_kv, "merge_lora": self.merge_lora}
         return {"dtype": self.dtype, "memory_fraction": self.memory_fraction, "kv_cache_gb": self.kv_cache_gb,
                 "gpu_share": self.gpus if 0 < self.gpus < 1 else 1.0,

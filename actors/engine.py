@@ -150,3 +150,10 @@ class RequestEngine(Protocol):
     def close(self) -> None:
         """Abort what is running and release the engine's memory and processes."""
         ...
+
+
+def engine_dtype(dtype: str, device: str) -> str:
+    """The dtype an engine loads its weights in: "auto" is bfloat16 on CUDA, float32 elsewhere."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" else "float32"

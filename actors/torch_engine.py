@@ -46,14 +46,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Hashable
 
-from actors.engine import Completion, SamplingParams, stream_seed, unit_uniform
+from actors.engine import Completion, SamplingParams, engine_dtype, stream_seed, unit_uniform
 
 
 class TorchEngine:
     def __init__(self, model_path: str, lora, device: str = "cpu", seed: int = 0,
-                 dtype: str = "float32", recompute_kv: bool = False, merge_lora: bool = True, model=None) -> None:
+                 dtype: str = "auto", recompute_kv: bool = False, merge_lora: bool = True, model=None) -> None:
         """`model`: a PEFT model to generate with instead of loading `model_path` (colocated mode:
-        a learner rank's own, its policy adapter as trained; nothing is loaded, merged or copied)."""
+        a learner rank's own, its policy adapter as trained; nothing is loaded, merged or copied).
+        `dtype` "auto": bfloat16 on CUDA, float32 on CPU (`engine_dtype`)."""
         import torch
         from peft.tuners.lora import LoraLayer
 
@@ -67,6 +68,7 @@ class TorchEngine:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        dtype = engine_dtype(dtype, self.device.type)
         if model is not None:
             merge_lora = False  # the weights are the trainer's: never folded into
         self.model = model if model is not None else with_lora(load_model(model_path, dtype=dtype, device=device),

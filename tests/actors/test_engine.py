@@ -335,3 +335,17 @@ def test_the_qwen_picture_of_a_later_turn_reaches_the_model(qwen_vl, qwen_vl_cha
                                                 abs=1e-4)
         logps.append(_full_qwen_logprobs(engine, prompt, [first, later], list(range(10, 50))))  # ordinary tokens
     assert max(abs(x - y) for x, y in zip(*logps)) > 1e-4
+
+
+def test_the_engines_load_bf16_on_cuda_and_fp32_on_cpu_by_default(tiny_model):
+    from actors.actor import ActorConfig
+    from actors.engine import engine_dtype
+
+    assert engine_dtype("auto", "cuda") == "bfloat16" and engine_dtype("auto", "cpu") == "float32"
+    assert engine_dtype("float32", "cuda") == "float32"  # asked for: kept
+    assert ActorConfig(gpus=1).engine_options()["dtype"] == "bfloat16"  # the torch engine on a GPU
+    assert ActorConfig(device="cuda").engine_options()["dtype"] == "bfloat16"
+    assert ActorConfig().engine_options()["dtype"] == "float32"
+    assert ActorConfig(gpus=1, dtype="float32").engine_options()["dtype"] == "float32"
+    engine = TorchEngine(tiny_model, LoraSpec(rank=4))  # "auto" on this CPU
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
