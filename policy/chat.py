@@ -64,14 +64,15 @@ def _m(role: str, content: str) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-# (what a sample exercises, its opening, its observation at turn k, whether every template must render it)
-_SAMPLES: tuple[tuple[str, list[dict], Callable[[int], list[dict]], bool], ...] = (
-    ("user observations", [_m("user", "Question one?")], lambda k: [_m("user", f"Observation {k}.")], True),
+# (what a sample exercises, its opening, its observation at turn k, the roles it needs beyond user and
+# assistant: none for the sample every template must render, else those refused when it cannot)
+_SAMPLES: tuple[tuple[str, list[dict], Callable[[int], list[dict]], tuple[str, ...]], ...] = (
+    ("user observations", [_m("user", "Question one?")], lambda k: [_m("user", f"Observation {k}.")], ()),
     ("a system message", [_m("system", "Be brief."), _m("user", "Question one?")],
-     lambda k: [_m("user", f"Observation {k}.")], False),
-    ("tool observations", [_m("user", "Question one?")], lambda k: [_m("tool", f"result {k}")], False),
+     lambda k: [_m("user", f"Observation {k}.")], ("system",)),
+    ("tool observations", [_m("user", "Question one?")], lambda k: [_m("tool", f"result {k}")], ("tool",)),
     ("two-message observations", [_m("system", "Be brief."), _m("user", "Question one?")],
-     lambda k: [_m("tool", f"result {k}"), _m("user", f"Then {k}?")], False),
+     lambda k: [_m("tool", f"result {k}"), _m("user", f"Then {k}?")], ("system", "tool")),
 )
 
 
@@ -84,8 +85,16 @@ def _pictured(role: str, text: str) -> dict:
 
 _IMAGE_SAMPLES = (
     ("image observations", [_pictured("user", "Question one?")], lambda k: [_pictured("user", f"Observation {k}.")],
-     True),
+     ()),
 )
+
+
+def _texts(message: dict) -> list[str]:
+    """The text pieces of a message's content (a string, or text parts beside images)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return [content]
+    return [part["text"] for part in content if part.get("type") == "text"]
 
 
 def message_images(messages) -> list[np.ndarray]:
@@ -122,7 +131,11 @@ class Chat:
             (eos,) if eos is not None and eos != self.end_of_turn else ())
         """Tokens the engine stops on: the end-of-turn token first, then eos if it differs."""
         self.skipped: list[str] = []
-        """Sample episodes the template refused to render (roles it does not support)."""
+        """Sample episodes the template refused to render (roles it does not support) or cannot
+        render turn by turn."""
+        self.refused: dict[str, str] = {}
+        """Roles the template cannot render turn by turn, with why: an episode whose messages hold
+        one raises ValueError (say, a system message folded into the last user turn)."""
         self._check_incremental()
 
     # -- rendering --------------------------------------------------------------
@@ -160,12 +173,21 @@ class Chat:
     def prompt_ids(self, messages) -> list[int]:
         """Tokens of the opening messages followed by the assistant's generation prompt (images
         expanded; VisionError when they do not fit the model)."""
+        self._check_roles(messages)
         return self._expanded(self._render(list(messages), generation_prompt=True), messages)
 
     def observation_ids(self, messages) -> list[int]:
         """Tokens to append after a model turn that ended with the end-of-turn token: the new
         messages and the next generation prompt, exactly as the template renders them there."""
+        self._check_roles(messages)
         return self._expanded(self._after_turn(_BASE, list(messages)), messages)
+
+    def _check_roles(self, messages) -> None:
+        for m in messages:
+            if m["role"] in self.refused:
+                raise ValueError(f"the chat template of {self.name} cannot render messages of role {m['role']!r} "
+                                 f"turn by turn, so episodes that hold one cannot be played with it (use an "
+                                 f"environment that sends none): {self.refused[m['role']]}")
 
     def _expanded(self, ids: list[int], messages) -> list[int]:
         from policy.vision import VisionError, expand
@@ -211,43 +233,87 @@ class Chat:
         return added[text_eot], text_eot
 
     def _check_incremental(self) -> None:
-        for what, opening, observe, required in _SAMPLES + (_IMAGE_SAMPLES if self.scheme is not None else ()):
+        cleared: set[str] = set()  # roles whose own sample passed
+        for what, opening, observe, roles in _SAMPLES + (_IMAGE_SAMPLES if self.scheme is not None else ()):
             episode = list(opening)
             for k in range(1, _TURNS + 1):
                 episode += [_m("assistant", f"Answer {k}."), *observe(k)]
             try:
-                self._text(episode, generation_prompt=True)
+                text = self._text(episode, generation_prompt=True)
             except Exception as exc:
-                if required:
+                if not roles:
                     raise ValueError(f"the chat template of {self.name} cannot render a conversation of "
                                      f"user and assistant messages: {exc}") from exc
                 self.skipped.append(f"{what}: {exc}")
                 continue
-            self._check_episode(what, list(opening), observe)
+            dropped = sorted({m["role"] for m in episode if any(t not in text for t in _texts(m))})
+            if dropped:
+                why = f"the template leaves messages of role {', '.join(map(repr, dropped))} out of the conversation"
+                if not roles or not set(dropped) <= set(roles):
+                    raise ValueError(f"the chat template of {self.name}: {why} (episode with {what})")
+                self.skipped.append(f"{what}: {why}")
+                for role in dropped:
+                    self.refused.setdefault(role, why)
+                continue
+            try:
+                self._check_episode(what, list(opening), observe)
+            except ValueError as exc:
+                if not roles:
+                    raise
+                self.skipped.append(f"{what}: {exc}")
+                for role in [r for r in roles if r not in cleared] or roles:
+                    self.refused.setdefault(role, str(exc))
+                continue
+            cleared.update(roles)
 
     def _check_episode(self, what: str, history: list[dict], observe: Callable[[int], list[dict]]) -> None:
+        """Build a sample episode as the actor does and hold each turn against the template's own
+        rendering. What decides is what the engine sees: the prompt with its generation prompt, and
+        the conversation with the model's turn closed and the next observation, which must agree up
+        to where the model's answer begins (a block the generation prompt adds inside the turn, like
+        Qwen3's empty think block, stays in the episode as prompted). The rendering without a
+        generation prompt does not matter: some templates end it with eos."""
         fix = ("Tandem appends each turn's tokens to the episode and never re-renders earlier ones; use a "
                "template that renders a conversation's earlier messages the same whatever follows them")
         for k in range(1, _TURNS + 1):
-            bare, prompt = self._render(history, False), self._render(history, True)
-            if len(prompt) <= len(bare) or prompt[:len(bare)] != bare:
+            prompt_text = self._text(history, True)
+            prompt = self._ids(prompt_text)
+            answer, obs = _m("assistant", f"Answer {k}."), observe(k)
+            text = self._text(history + [answer, *obs], generation_prompt=True)
+            grown = self._ids(text)
+            agree = next((i for i, (a, b) in enumerate(zip(prompt, grown)) if a != b), min(len(prompt), len(grown)))
+            at = text.find(answer["content"] + self._eot_text)
+            begins = self._token_at(text, at)
+            spaced = text.startswith(prompt_text) and not text[len(prompt_text):at].strip(" ")
+            if agree == len(prompt) and spaced:
+                begins = agree  # the model writes the space the template puts before its answer (Mistral)
+            elif agree < begins and agree == len(prompt):
                 raise ValueError(
                     f"the chat template of {self.name} does not render a conversation with the generation "
-                    f"prompt as the same conversation followed by the assistant's header (episode with {what}, "
-                    f"turn {k}): the model would be prompted with tokens the episode does not hold. Use a "
-                    "template whose add_generation_prompt only appends the header")
-            answer, obs = _m("assistant", f"Answer {k}."), observe(k)
-            grown = self._render(history + [answer, *obs], True)
-            if grown[:len(bare)] != bare:
-                at = next(i for i, (a, b) in enumerate(zip(bare, grown + [None] * len(bare))) if a != b)
+                    f"prompt as the conversation followed by the assistant's header (episode with {what}, turn "
+                    f"{k}): it renders {self.tokenizer.decode(grown[agree:begins])!r} after the prompt, before "
+                    "the model's answer, so the model would be prompted with tokens the episode does not hold. "
+                    "Use a template whose add_generation_prompt appends the assistant's header (or nothing, "
+                    "when the model writes right after the user's turn)")
+            if agree != begins:
                 raise ValueError(
                     f"the chat template of {self.name} is not prefix-stable: in an episode with {what}, "
-                    f"turn {k}, the messages before the model's turn render as "
-                    f"{self.tokenizer.decode(bare[at:at + 12])!r}... but as "
-                    f"{self.tokenizer.decode(grown[at:at + 12])!r}... once the conversation grows. {fix}")
-            if self._after_turn(history + [answer], obs) != self._after_turn(_BASE, obs):
+                    f"turn {k}, the prompt renders as {self.tokenizer.decode(prompt[agree:agree + 12])!r}... but "
+                    f"as {self.tokenizer.decode(grown[agree:agree + 12])!r}... once the model's turn and the "
+                    f"next message follow. {fix}")
+            end = grown.index(self.end_of_turn, begins)
+            if grown[end + 1:] != self._after_turn(_BASE, obs):
                 raise ValueError(
                     f"the chat template of {self.name} renders an observation differently depending on the "
                     f"conversation before it (episode with {what}, turn {k}), so its tokens cannot be "
                     f"computed turn by turn. {fix}")
             history += [answer, *obs]
+
+    def _token_at(self, text: str, at: int) -> int:
+        """Index of the token of `text` that holds its character `at`."""
+        assert at >= 0, "the sample answer is in its own rendering"
+        try:
+            offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        except NotImplementedError:  # a slow tokenizer: count the tokens before (a space joins the word)
+            return len(self._ids(text[:at].rstrip(" ")))
+        return next(i for i, (_, stop) in enumerate(offsets) if stop > at)

@@ -1,7 +1,8 @@
 """Chat templates of real model families, and small tokenizers built locally that carry them.
 
-The templates are the published ones (tokenizer_config.json of Qwen2.5-Instruct, Qwen3 and
-Llama-3.1-Instruct; chat_template.json of Qwen2.5-VL-Instruct, Qwen2-VL's too), written out so that nothing is downloaded. The tokenizers are byte-level
+The templates are the published ones (tokenizer_config.json of Qwen2.5-Instruct, Qwen3,
+Llama-3.1-Instruct, Mistral-7B-Instruct-v0.3, Gemma-2-it and Phi-3-mini-4k-instruct;
+chat_template.json of Qwen2.5-VL-Instruct, Qwen2-VL's too), written out so that nothing is downloaded. The tokenizers are byte-level
 BPE models trained here on a few chat transcripts, with the family's pre-tokenizer pattern and
 special tokens, so that merges across the text the templates write (newlines, headers) happen
 as they do with the real vocabularies.
@@ -278,6 +279,114 @@ LLAMA31 = """{{- bos_token }}
 {%- endif %}
 """
 
+# Mistral-7B-Instruct-v0.3 (tokenizer_config.json): no generation prompt (the model writes right
+# after [/INST]); the system message is folded into the LAST user turn, and tool results need
+# tool-call ids of 9 characters.
+MISTRAL_V03 = """{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+
+{#- This block checks for alternating user/assistant messages, skipping tool calling messages #}
+{%- set ns = namespace() %}
+{%- set ns.index = 0 %}
+{%- for message in loop_messages %}
+    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}
+        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
+            {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
+        {%- endif %}
+        {%- set ns.index = ns.index + 1 %}
+    {%- endif %}
+{%- endfor %}
+
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if tools is not none and (message == user_messages[-1]) %}
+            {{- "[AVAILABLE_TOOLS] [" }}
+            {%- for tool in tools %}
+                {%- set tool = tool.function %}
+                {{- '{"type": "function", "function": {' }}
+                {%- for key, val in tool.items() if key != "return" %}
+                    {%- if val is string %}
+                        {{- '"' + key + '": "' + val + '"' }}
+                    {%- else %}
+                        {{- '"' + key + '": ' + val|tojson }}
+                    {%- endif %}
+                    {%- if not loop.last %}
+                        {{- ", " }}
+                    {%- endif %}
+                {%- endfor %}
+                {{- "}}" }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- else %}
+                    {{- "]" }}
+                {%- endif %}
+            {%- endfor %}
+            {{- "[/AVAILABLE_TOOLS]" }}
+            {%- endif %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message.tool_calls is defined and message.tool_calls is not none %}
+        {{- "[TOOL_CALLS] [" }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set out = tool_call.function|tojson %}
+            {{- out[:-1] }}
+            {%- if not tool_call.id is defined or tool_call.id|length != 9 %}
+                {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+            {%- endif %}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}
+                {{- ", " }}
+            {%- else %}
+                {{- "]" + eos_token }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}
+        {%- if message.content is defined and message.content.content is defined %}
+            {%- set content = message.content.content %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {{- '[TOOL_RESULTS] {"content": ' + content|string + ", " }}
+        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- else %}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+# gemma-2-2b-it / gemma-2-9b-it (tokenizer_config.json): no system role, strictly alternating roles.
+GEMMA2 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+          "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+          "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+
+# Phi-3-mini-4k-instruct (tokenizer_config.json, 2024-05): without a generation prompt the
+# conversation ends with eos; other roles (tool) are left out of the rendering.
+PHI3 = ("{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + message['content'] + "
+        "'<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}"
+        "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}"
+        "{% endif %}")
+
 # The pre-tokenizer patterns of the real tokenizers (Qwen2/Qwen3 and Llama 3 differ in digits).
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -291,6 +400,14 @@ QWEN_ADDED = ["<tool_call>", "</tool_call>"]  # added tokens that are not specia
 QWEN3_ADDED = QWEN_ADDED + ["<tool_response>", "</tool_response>", "<think>", "</think>"]
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                   "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+# SentencePiece families (Metaspace pre-tokenizer): their control tokens; (bos, eos) of each.
+SENTENCEPIECE = {
+    "mistral": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                 "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], "<s>", "</s>", MISTRAL_V03),
+    "gemma2": (["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", GEMMA2),
+    "phi3": (["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"],
+             "<s>", "<|endoftext|>", PHI3),
+}
 
 CORPUS = [
     "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
@@ -305,9 +422,13 @@ CORPUS = [
 
 def build_tokenizer(family: str, eos: str | None = None):
     """A byte-level BPE tokenizer carrying `family`'s special tokens and chat template
-    ("qwen2.5", "qwen3", "qwen2.5-vl" or "llama3"); `eos` overrides the family's instruct eos token."""
+    ("qwen2.5", "qwen3", "qwen2.5-vl" or "llama3"; a SentencePiece-style one for "mistral", "gemma2"
+    and "phi3"); `eos` overrides the family's instruct eos token."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    if family in SENTENCEPIECE:
+        return _sentencepiece(family, eos)
 
     qwen = family.startswith("qwen")
     special = (QWEN_VL_SPECIAL if family == "qwen2.5-vl" else QWEN_SPECIAL) if qwen else LLAMA3_SPECIAL
@@ -325,6 +446,29 @@ def build_tokenizer(family: str, eos: str | None = None):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=eos or ("<|im_end|>" if qwen else "<|eot_id|>"),
         bos_token=None if qwen else "<|begin_of_text|>", pad_token="<|endoftext|>" if qwen else "<|end_of_text|>")
+    fast.chat_template = template
+    fast.name_or_path = f"test-{family}"
+    return fast
+
+
+def _sentencepiece(family: str, eos: str | None):
+    """A BPE tokenizer with SentencePiece's Metaspace pre-tokenizer ("▁" for spaces, no dummy
+    prefix: a model's turn writes its own leading space), as the Mistral, Gemma and Phi-3
+    tokenizers converted to tokenizers' format, with `family`'s control tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special, bos, family_eos, template = SENTENCEPIECE[family]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([  # newlines apart: byte-fallback <0x0A> in these vocabularies
+        pre_tokenizers.Split("\n", behavior="isolated"),
+        pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")])
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="never")
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=special, show_progress=False,  # every ASCII character
+                                  initial_alphabet=[chr(c) for c in range(32, 127)] + ["\n", "\u2581"])
+    tok.train_from_iterator(CORPUS + ["Answer 1. Observation 2. Question one? Be brief.\n\n"], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos or family_eos, bos_token=bos,
+                                   unk_token="<unk>", pad_token=special[0])
     fast.chat_template = template
     fast.name_or_path = f"test-{family}"
     return fast

@@ -1,7 +1,7 @@
 """Chat rendering: an episode built turn by turn is what the model family's template renders.
 
 Tokenizers are built here (tests/policy/templates.py) with the published templates of Qwen2.5,
-Qwen3 and Llama 3.1; nothing is downloaded.
+Qwen3, Llama 3.1, Mistral-7B-Instruct-v0.3, Gemma-2 and Phi-3; nothing is downloaded.
 """
 
 import pytest
@@ -180,12 +180,9 @@ BAD = {
         "not prefix-stable"),
     "a marker after the last message": (
         CHATML + "<|endoftext|>" + PROMPT, "not prefix-stable"),
-    "a generation prompt that replaces the end": (
-        CHATML + "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>{% endif %}",
-        "generation prompt"),
     "numbered messages": (
         "{% for m in messages %}<|im_start|>{{ m.role }} {{ loop.index }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-        + PROMPT, "renders an observation differently"),
+        + PROMPT, "not prefix-stable"),  # the generation prompt's header is not the turn's "assistant 2"
     "turns ended by plain text": (
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}", "does not close the assistant's content"),
@@ -249,3 +246,56 @@ def test_the_rollout_closes_a_turn_cut_by_length_before_the_observation(tiny_mod
                 assert ep.tokens[i] == chat.end_of_turn and ep.logprobs[i] == 0.0
                 closed += 1
     assert closed > 0, "no turn was cut by length"
+
+
+# Families whose templates have no generation prompt (Mistral: the model writes right after
+# [/INST], its first token carrying the space the template puts there) or end a conversation with
+# eos when none is asked (Phi-3); Gemma-2 allows no system and no tool role. What each renders
+# turn by turn, and what it cannot.
+MORE = {"mistral": (" ", ["no system"]), "gemma2": ("", ["no system"]), "phi3": ("", ["no system", "system"])}
+
+
+@pytest.mark.parametrize("family, opening", [(f, o) for f, (_, openings) in MORE.items() for o in openings])
+def test_mistral_gemma2_and_phi3_episodes_built_turn_by_turn_are_their_renderings(family, opening):
+    tok = build_tokenizer(family)
+    chat = Chat(tok)
+    lead = MORE[family][0]
+    tokens, messages = chat.prompt_ids(OPENINGS[opening]), list(OPENINGS[opening])
+    for k in range(1, 4):
+        text = f"Let me check: 12 * {k} = {12 * k}, so the answer is {12 * k}."
+        model = tok.encode(lead + text, add_special_tokens=False) + [chat.end_of_turn]  # what the model writes
+        obs = OBSERVATIONS["user"](k)
+        tokens = tokens + model + chat.observation_ids(obs)
+        messages += [assistant(text), *obs]
+    text, ids = rendered(tok, messages)
+    assert tok.decode(tokens) == text
+    assert tokens == ids
+    if family == "mistral":
+        assert text.endswith("[INST] moved down\nwall right 3[/INST]")  # no generation prompt: the model writes on
+    if family == "phi3":  # without a generation prompt Phi-3 ends the conversation with eos: not in the episode
+        assert tok.apply_chat_template(messages, tokenize=False).endswith("<|end|>\n<|endoftext|>")
+        assert chat.stop_ids == (tok.convert_tokens_to_ids("<|end|>"), tok.convert_tokens_to_ids("<|endoftext|>"))
+
+
+def test_what_a_family_cannot_render_turn_by_turn_stops_the_episode_with_a_message():
+    mistral = Chat(build_tokenizer("mistral"))  # folds the system message into the last user turn
+    with pytest.raises(ValueError, match="test-mistral cannot render messages of role 'system' turn by turn.*"
+                                         "not prefix-stable"):
+        mistral.prompt_ids(OPENINGS["system"])
+    phi3 = Chat(build_tokenizer("phi3"))  # renders nothing for a tool message: the model would never see it
+    assert "system" not in phi3.refused
+    with pytest.raises(ValueError, match="test-phi3 cannot render messages of role 'tool' turn by turn.*leaves "
+                                         "messages of role 'tool' out of the conversation"):
+        phi3.observation_ids(OBSERVATIONS["tool"](1))
+    gemma2 = Chat(build_tokenizer("gemma2"))  # refuses the system role itself: the template's own error
+    assert gemma2.refused == {} and any("System role not supported" in s for s in gemma2.skipped)
+    with pytest.raises(Exception, match="System role not supported"):
+        gemma2.prompt_ids(OPENINGS["system"])
+
+
+def test_a_template_whose_prompt_lacks_the_assistant_header_is_still_refused():
+    tok = build_tokenizer("mistral")
+    tok.chat_template = tok.chat_template.replace('{{- " " + message["content"]|trim + eos_token}}',
+                                                  '{{- "Assistant: " + message["content"]|trim + eos_token}}')
+    with pytest.raises(ValueError, match="renders 'Assistant: ' after the prompt, before the model's answer"):
+        Chat(tok)
