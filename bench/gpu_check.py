@@ -16,6 +16,12 @@ Three checks on one CUDA device, no network, no Ray, each in a fresh process of 
               same tokens (bench/parity.py: built-in model, random adapter): max |log μ − log π|
               and the mismatch KL.
 
+  colocated, parity_vllm, two_engines
+              vLLM on the GPU (bench/gpu_vllm.py): a colocated learner and sleeping engine over
+              three cycles (room before each wake, greedy tokens equal across a sleep), vLLM's
+              log μ against the learner's in bf16, two engines started at once on one GPU.
+              Skipped without CUDA.
+
 Peak memory is `torch.cuda.max_memory_allocated` over the steps, reset after the model is set
 up (the setup's own figure is reported beside it). Ends with one JSON line; keys ending in _gb
 are GiB.
@@ -36,7 +42,8 @@ import time
 
 from bench import sig
 
-CHECKS = ("step_0.5b", "8b", "8b_ac", "parity")
+VLLM_CHECKS = ("colocated", "parity_vllm", "two_engines")
+CHECKS = ("step_0.5b", "8b", "8b_ac", "parity", *VLLM_CHECKS)
 
 SHAPES = {
     "0.5b": dict(kind="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -58,7 +65,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=1024, help="tokens per trajectory of the 8B step")
     p.add_argument("--steps", type=int, default=2, help="timed steps of the 0.5B check (after one warm-up)")
     p.add_argument("--prompts", type=int, default=32, help="prompts of the parity check")
-    p.add_argument("--timeout", type=int, default=110, help="seconds each check may take (4 checks: within 8 minutes)")
+    p.add_argument("--timeout", type=int, default=110,
+                   help="seconds each check may take (most take far less: within 8 minutes in all)")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"which of {', '.join(CHECKS)}")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -167,17 +175,28 @@ def child(args: argparse.Namespace) -> dict:
         tokens = 32 if args.tiny else args.tokens
         return learner_steps(model_config(shapes["8b"]), args.device, args.rows, tokens, 0, 1,
                              checkpointing=args.child == "8b_ac", name="qwen3-8b")
-    return parity(args.device, 4 if args.tiny else args.prompts)
+    if args.child == "parity":
+        return parity(args.device, 4 if args.tiny else args.prompts)
+    from bench import gpu_vllm
+
+    if gpu_vllm.skipped(args.device):
+        return gpu_vllm.skipped(args.device)
+    if args.child == "colocated":
+        return gpu_vllm.colocated(8, args.tokens)
+    if args.child == "parity_vllm":
+        return gpu_vllm.parity_vllm(args.prompts)
+    return gpu_vllm.two_engines()
 
 
 def _run(args: argparse.Namespace, check: str, argv: list[str]) -> dict:
     cmd = [sys.executable, "-m", "bench.gpu_check", *argv, "--child", check]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    timeout = max(args.timeout, 200) if check in VLLM_CHECKS else args.timeout  # an engine's start, eager
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              timeout=args.timeout)
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"took over {args.timeout}s"}
+        return {"error": f"took over {timeout}s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = [line for line in proc.stdout.splitlines() if line.strip()][-3:]

@@ -41,6 +41,8 @@ def test_the_checks_run_on_tiny_shapes_on_the_cpu():
     # the same step with and without activation checkpointing: the same loss
     assert result["8b"]["loss"] == pytest.approx(result["8b_ac"]["loss"], rel=1e-4)
     assert result["8b"]["loss"] != 0.0
+    for check in ("colocated", "parity_vllm", "two_engines"):  # vLLM's sleep mode and GPU memory: CUDA only
+        assert result[check] == {"skipped": "needs CUDA (vLLM's sleep mode and GPU memory)"}, check
     parity = result["parity"]
     assert parity["tokens"] > 0 and parity["torch_fp32_max_abs"] < 1e-3
     assert 0 <= parity["torch_bf16_kl"] < 0.1 and parity["torch_bf16_max_abs"] < 1.0
@@ -64,3 +66,8 @@ def test_the_gpu_check_passes_on_a_gpu():
     assert 14 < plain["setup_gb"] < 20  # bf16 base weights (15.3 GiB) and fp32 LoRA: no fp32 copy of the base
     assert ac["peak_gb"] < plain["peak_gb"]  # activation checkpointing saves memory
     assert result["parity"]["torch_fp32_max_abs"] < 1e-2 and result["parity"]["torch_bf16_kl"] < 0.05
+    colocated = result["colocated"]  # three wakes beside a training rank, greedy tokens equal across sleeps
+    assert len(colocated["cycles"]) == 3 and colocated["greedy_equal_across_sleeps"]
+    assert all(c["released_at_sleep_gb"] > 0 for c in colocated["cycles"])
+    assert result["parity_vllm"]["tokens"] > 0 and result["parity_vllm"]["kl"] < 0.05
+    assert result["two_engines"]["tokens"][0] > 0 and result["two_engines"]["tokens"][1] > 0
