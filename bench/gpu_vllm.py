@@ -20,18 +20,9 @@ from __future__ import annotations
 
 import threading
 
+from launch.colocate import greedy_equal
+
 GIB = 1 << 30
-
-
-def greedy_equal(before: list[list[int]], after: list[list[int]]) -> None:
-    """RuntimeError naming the first prompt whose greedy tokens changed across a sleep and a wake."""
-    if len(before) != len(after):
-        raise RuntimeError(f"{len(before)} completions before the sleep, {len(after)} after")
-    for i, (a, b) in enumerate(zip(before, after)):
-        if a != b:
-            raise RuntimeError(f"greedy tokens of prompt {i} changed across a sleep and a wake ({a[:8]}... then "
-                               f"{b[:8]}...): the engine does not generate with the adapter it had (vLLM issue "
-                               "53888); do not colocate with this vLLM version")
 
 
 def skipped(device: str) -> dict | None:

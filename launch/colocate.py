@@ -80,6 +80,8 @@ class Colocated:
             engine = _engine(learner, actor_cfg, seed)
         self.own_model = getattr(engine, "model", None) is learner.model
         self.fraction = actor_cfg.memory_fraction
+        self.chat = chat
+        self.checked_sleep = False
         self.released = 0
         """Bytes of the GPU the engine released at its last sleep: what its next wake takes back."""
         self.credits = _Quota(replay, lambda: learner.version)
@@ -107,9 +109,26 @@ class Colocated:
             elif adapter.version < engine.version:
                 raise RuntimeError(f"the colocated engine has adapter v{engine.version}, newer than the "
                                    f"learner's v{adapter.version}")
+            if not self.checked_sleep and getattr(engine, "sleep_mode", False):
+                self._check_sleep()
             self.actor.run(threading.Event(), max_groups=self.share)
         finally:
             self._sleep()
+
+    def _check_sleep(self) -> None:
+        """Once, before the first generation of a sleeping engine: greedy tokens after a sleep and
+        a wake must equal those before (an adapter silently not applied after a wake, vLLM issue
+        53888, would have the learner train on base-model samples labelled with its version)."""
+        from actors.engine import SamplingParams
+
+        engine = self.actor.engine
+        prompts = [self.chat.prompt_ids([{"role": "user", "content": f"Count to {n}."}]) for n in (3, 7)]
+        greedy = SamplingParams(12, self.chat.stop_ids, temperature=0.0)
+        before = [c.tokens for c in engine.generate(prompts, greedy)]
+        self._sleep()
+        self._wake()
+        greedy_equal(before, [c.tokens for c in engine.generate(prompts, greedy)])
+        self.checked_sleep = True
 
     def _sleep(self) -> None:
         """Put the engine to sleep, measuring on a GPU what it releases (what its wake takes back)."""
@@ -145,6 +164,17 @@ class Colocated:
     def close(self) -> None:
         if not self.own_model:
             self.actor.engine.close()
+
+
+def greedy_equal(before: list[list[int]], after: list[list[int]]) -> None:
+    """RuntimeError naming the first prompt whose greedy tokens changed across a sleep and a wake."""
+    if len(before) != len(after):
+        raise RuntimeError(f"{len(before)} completions before the sleep, {len(after)} after")
+    for i, (a, b) in enumerate(zip(before, after)):
+        if a != b:
+            raise RuntimeError(f"greedy tokens of prompt {i} changed across a sleep and a wake ({a[:8]}... then "
+                               f"{b[:8]}...): the engine does not generate with the adapter it had (vLLM issue "
+                               "53888); do not colocate with this vLLM version")
 
 
 def _engine(learner, actor_cfg, seed: int):

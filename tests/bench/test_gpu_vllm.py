@@ -4,15 +4,18 @@ the checks themselves run on a GPU: tests/bench/test_gpu_check.py)."""
 import pytest
 
 from bench import gpu_check, gpu_vllm
+from launch.colocate import greedy_equal
 
 
 def test_greedy_tokens_that_change_across_a_sleep_stop_with_a_message():
-    gpu_vllm.greedy_equal([[5, 6, 7], [8]], [[5, 6, 7], [8]])
+    """What a colocated rank checks once before its first generation with a sleeping engine
+    (launch/colocate.py), and the GPU check after every wake."""
+    greedy_equal([[5, 6, 7], [8]], [[5, 6, 7], [8]])
     with pytest.raises(RuntimeError, match=r"greedy tokens of prompt 1 changed across a sleep and a wake .*"
                                            r"vLLM issue 53888"):
-        gpu_vllm.greedy_equal([[5, 6, 7], [8, 9]], [[5, 6, 7], [8, 2]])
+        greedy_equal([[5, 6, 7], [8, 9]], [[5, 6, 7], [8, 2]])
     with pytest.raises(RuntimeError, match="2 completions before the sleep, 1 after"):
-        gpu_vllm.greedy_equal([[5], [6]], [[5]])
+        greedy_equal([[5], [6]], [[5]])
 
 
 def test_the_vllm_checks_are_chosen_by_name_and_skipped_without_cuda():
