@@ -45,6 +45,13 @@ from replay.wire import Group
 log = logging.getLogger("tandem.actor")
 
 
+def seeds_requests(choice: str, vllm_on_gpu: bool) -> bool:
+    """Whether an actor seeds each turn's request (--actor.seeded; see there)."""
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"--actor.seeded must be auto, on or off, got {choice!r}")
+    return choice == "on" or (choice == "auto" and not vllm_on_gpu)
+
+
 @dataclass
 class ActorConfig:
     """Actors (inference engines playing environments)."""
@@ -97,6 +104,11 @@ class ActorConfig:
     W₀), so decoding runs no LoRA branch; off: keep PEFT's separate LoRA branch and no copy of
     W₀ (less memory, slower decoding)."""
 
+    seeded: Literal["auto", "on", "off"] = "auto"
+    """Seed each turn's request from the episode's own stream, so its tokens depend on the seeds
+    and not on the requests beside it: "auto" seeds except with vLLM on a GPU, where seeded
+    requests push vLLM's sampler onto its one-request-at-a-time path and the logits are not
+    batch-invariant anyway (docs/engines.md); "on" or "off" decides."""
     memory_fraction: float = 0.85
     """vLLM on a GPU: the fraction of the device's memory the engine may take (weights,
     activations, KV cache); lower it when other parts share the device. Its CUDA context (~1 GiB)
@@ -210,6 +222,7 @@ class Actor:
         self.seed = seed
         self.rng = np.random.default_rng(seed)
         self._groups = itertools.count()  # groups started, numbering their episodes' random streams
+        self.seeded = seeds_requests(cfg.seeded, getattr(engine, "cuda", False) is True)  # vLLM's flag
         self.params = SamplingParams(cfg.max_new_tokens, chat.stop_ids, cfg.temperature)
         self.runner = EnvRunner(cfg.env_timeout_s, cfg.env_threads)
         self._step = driver(engine)
@@ -276,7 +289,8 @@ class Actor:
         # run a curriculum.
         options = {"policy_version": self.engine.version}
         episodes = [start(self.make_env(), self.chat, self.runner, seed=seed, options=options,
-                          version=self.engine.version, sampling_seed=stream_seed(self.seed, n, j))
+                          version=self.engine.version,
+                          sampling_seed=stream_seed(self.seed, n, j) if self.seeded else None)
                     for j in range(self.cfg.group_size)]
         return _Live(uuid.uuid4().hex, f"seed={seed}", episodes, time.perf_counter())
 

@@ -175,3 +175,29 @@ def test_an_episode_samples_the_same_tokens_whichever_episodes_share_its_turns(t
     apart, without_slow = run(0.5)
     assert without_slow, "the slow episode never sat a turn out"
     assert apart == together
+
+
+def test_turns_are_seeded_except_with_vllm_on_a_gpu_unless_asked(tiny_model, chat):
+    from actors.actor import seeds_requests
+
+    assert seeds_requests("auto", vllm_on_gpu=False) and not seeds_requests("auto", vllm_on_gpu=True)
+    assert seeds_requests("on", vllm_on_gpu=True) and not seeds_requests("off", vllm_on_gpu=False)
+    with pytest.raises(ValueError, match="--actor.seeded must be auto, on or off, got 'sometimes'"):
+        seeds_requests("sometimes", vllm_on_gpu=False)
+    with pytest.raises(ValueError, match="--actor.seeded"):
+        ActorConfig(seeded="sometimes")
+    engine = TorchEngine(tiny_model, LORA)
+    publisher = WeightPublisher()
+    subscriber = WeightSubscriber(publisher.endpoints)
+    try:
+        for choice, seeded in (("auto", True), ("off", False)):  # the torch engine on this CPU
+            actor = Actor(ActorConfig(group_size=2, seeded=choice), "actor-0", engine, chat,
+                          lambda: make_env("maze"), LocalReplay(ReplayBuffer(groups_per_step=2, max_staleness=100), actor="actor-0"), subscriber)
+            try:
+                episodes = actor._start_group().episodes
+                assert [e.sampling_seed is not None for e in episodes] == [seeded, seeded]
+            finally:
+                actor.runner.close()
+    finally:
+        subscriber.close()
+        publisher.close()
