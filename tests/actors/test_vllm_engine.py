@@ -2,6 +2,7 @@
 its GPU build where there is a GPU. One engine serves the whole module (engines take
 20-70 s to start); the last test shuts it down and checks that nothing is left running."""
 
+import os
 import threading
 import time
 
@@ -27,7 +28,18 @@ TOLERANCE = {"float32": (5e-4, 1e-8), "bfloat16": (0.5, 1e-2)}[DTYPE]
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    engine = make_engine("vllm", tiny_model, LORA, device="auto", dtype=DTYPE, max_model_len=1024)
+    # On CUDA vLLM is batch-invariant only in its batch-invariant mode (vLLM issue 19491), which the
+    # seeded-determinism tests below need there; its engine process reads the flag when it starts.
+    before = os.environ.get("VLLM_BATCH_INVARIANT")
+    if CUDA:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    try:
+        engine = make_engine("vllm", tiny_model, LORA, device="auto", dtype=DTYPE, max_model_len=1024)
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_BATCH_INVARIANT", None)
+        else:
+            os.environ["VLLM_BATCH_INVARIANT"] = before
     yield engine
     engine.close()
 
