@@ -119,7 +119,7 @@ def wandb_history(run_dir) -> dict[str, list[tuple[int, object]]]:
     [path] = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     data = path.read_bytes()
     assert data[:4] == b":W&B" and struct.unpack("<HB", data[4:7]) == (0xBEE1, 0), data[:7]
-    block, pos, chunks, out = 32768, 7, b"", {}
+    block, pos, chunks, out, kinds = 32768, 7, b"", {}, set()
     while pos < len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
@@ -132,10 +132,12 @@ def wandb_history(run_dir) -> dict[str, list[tuple[int, object]]]:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(chunks)
         chunks = b""
+        kinds.add(record.WhichOneof("record_type"))
         if record.WhichOneof("record_type") == "history":
             items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
             for key, value in items.items():
                 out.setdefault(key, []).append((items["_step"], value))
+    assert "exit" in kinds, f"{path} holds no exit record (the run was not finished): {sorted(kinds)}"
     return out
 
 
@@ -151,6 +153,9 @@ def test_wandb_offline_gets_the_scalars_and_the_samples(tmp_path, monkeypatch):
     board.scalars(2, {"rollout/reward_mean": 0.75})
     board.text(2, "samples", [{"reward": 1.0, "text": "hi"}])
     board.close()
+    import wandb
+
+    wandb.teardown()  # the run file is complete once wandb's service has stopped (a job's exit does this)
     logged = wandb_history(run_dir)
     assert logged["rollout/reward_mean"] == [(1, 0.25), (2, 0.75)]
     assert logged["eval/success_rate"] == [(1, 0.5)]
