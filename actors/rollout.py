@@ -17,6 +17,11 @@ with the template's end-of-turn token (mask 0) before its observation.
 `between_turns` is called before every turn: the actor uses it to apply a newer
 adapter, so long episodes pick up new weights without restarting.
 
+In tool-call mode (the environment declares `tools`) the chat renders the tools into the
+prompt, and each model turn's calls are parsed in the template's format (`Chat.parse_tools`)
+and handed to the environment as a `ToolTurn`; the tokens are the model's own as ever, and the
+`tool` messages that answer the calls are appended as the template renders them.
+
 An episode started with a `sampling_seed` asks the engine for each turn with a
 request seed made from (sampling seed, turn number), so what it samples does not
 depend on which other episodes share the batch that turn: an environment call
@@ -42,6 +47,7 @@ import numpy as np
 from actors.engine import Engine, RequestEngine, SamplingParams, stream_seed
 from actors.envrunner import EnvRunner
 from envs.base import TextEnv
+from envs.tools import ToolCall, ToolTurn
 from policy.chat import message_images
 from replay.wire import Trajectory
 
@@ -188,7 +194,15 @@ def _generated(ep: Episode, out, version: int, chat, runner: EnvRunner) -> None:
     ep.turns += 1
     ep.busy = True
     ep.version = versions[-1] if versions else version
-    runner.submit(ep.session, ep.env.step, chat.decode(out.tokens))
+    runner.submit(ep.session, _step, ep.env, chat, chat.decode(out.tokens))
+
+
+def _step(env: TextEnv, chat, text: str):
+    """The environment's step on a model turn: its text, or in tool-call mode its parsed calls."""
+    if not env.tools:
+        return env.step(text)
+    rest, calls = chat.parse_tools(text)
+    return env.step(ToolTurn(rest, tuple(ToolCall(c.name, c.arguments, c.error) for c in calls)))
 
 
 POLL_S = 0.01
@@ -222,6 +236,10 @@ def _broken(ep: Episode, chat, error: BaseException) -> None:
 def _opened(ep: Episode, chat, result, params: SamplingParams, max_tokens: int) -> None:
     try:
         messages, _ = result
+        declared = [t.schema() for t in ep.env.tools]
+        if declared != chat.tools:
+            raise ValueError(f"the environment declares the tools {_names(declared)} but the chat renders "
+                             f"{_names(chat.tools)}: build the Chat with tools=[t.schema() for t in env.tools]")
         ids = chat.prompt_ids(messages)
     except Exception as exc:  # a malformed return value is the environment's error
         _broken(ep, chat, exc)
@@ -230,6 +248,10 @@ def _opened(ep: Episode, chat, result, params: SamplingParams, max_tokens: int) 
     ep.images += message_images(messages)
     if len(ids) + params.max_new_tokens > max_tokens:
         ep.finish_reason = "length"
+
+
+def _names(tools: list[dict]) -> list:
+    return [t.get("function", {}).get("name") for t in tools]
 
 
 def _stepped(ep: Episode, chat, result, params: SamplingParams, max_tokens: int) -> None:

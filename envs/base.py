@@ -18,6 +18,11 @@ episode. One type, checked here, keeps every engine and the wire free of format
 guessing; anything else is refused with what to pass instead. The base class
 enforces all of it, so `gymnasium.utils.env_checker.check_env` passes for every
 subclass and an environment cannot flood the context by accident.
+
+Tool-call mode (envs/tools.py): an environment that declares `tools` is stepped with a
+`ToolTurn` (the turn's text and its parsed calls) instead of the text, and answers calls with
+`tool` messages (`run_tools`); the chat template renders the tools and the model's calls are
+parsed in its family's format, so the environment still never sees tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Any, TypeVar
 
 import gymnasium as gym
 import numpy as np
+
+from envs.tools import MAX_CALLS, Tool, ToolError, ToolTurn
 
 T = TypeVar("T")
 
@@ -235,6 +242,10 @@ class TextEnv(gym.Env):
             if terminated or truncated:
                 break
 
+    In tool-call mode (`tools` not empty) `step` takes a `ToolTurn` (a plain string is a turn
+    without calls) and `_step` is handed that `ToolTurn`; `run_tools` answers its calls through
+    `call_tool`.
+
     Subclasses implement `_reset(options) -> (observation, info)` and
     `_step(text) -> (observation, reward, terminated, truncated, info)`, where an
     observation is a string (one user message) or a list of chat messages, each
@@ -252,6 +263,9 @@ class TextEnv(gym.Env):
     shows_images: bool = False
     """Whether observations hold images (the launcher refuses a text model for such an environment)."""
 
+    tools: tuple[Tool, ...] = ()
+    """The tools of tool-call mode (empty: the model's text is the action)."""
+
     def __init__(self) -> None:
         message = gym.spaces.Dict({"role": text_space(16), "content": ContentSpace()})
         self.observation_space = gym.spaces.Sequence(message)
@@ -263,6 +277,35 @@ class TextEnv(gym.Env):
 
     def _step(self, text: str) -> tuple[str | list, float, bool, bool, dict[str, Any]]:
         raise NotImplementedError
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """The result of one call of a declared tool, its arguments checked against its schema;
+        raise ToolError for a call the tool cannot do (the model reads its message)."""
+        raise NotImplementedError(f"{type(self).__name__} declares tools but does not implement call_tool")
+
+    def run_tools(self, turn: ToolTurn) -> list[dict[str, str]]:
+        """One `tool` message for each call of `turn`, in order: its result, or what was wrong with
+        it (unreadable, an unknown tool, arguments that do not fit, a ToolError)."""
+        by_name = {t.name: t for t in self.tools}
+        out = []
+        for call in turn.calls[:MAX_CALLS]:
+            tool = by_name.get(call.name)
+            if call.error:
+                result = f"error: {call.error}"
+            elif tool is None:
+                result = f"error: there is no tool {call.name!r:.60}; the tools are {', '.join(by_name)}"
+            elif (wrong := tool.check(call.arguments)) is not None:
+                result = f"error: {wrong}"
+            else:
+                try:
+                    result = self.call_tool(call.name, call.arguments)
+                except ToolError as exc:
+                    result = f"error: {exc}"
+            out.append({"role": "tool", "content": result})
+        if len(turn.calls) > MAX_CALLS:
+            out.append({"role": "tool", "content": f"error: at most {MAX_CALLS} tool calls a turn; "
+                                                   f"{len(turn.calls) - MAX_CALLS} more were not run"})
+        return out
 
     eval_seed: int = 0
     """The seed of this environment's fixed evaluation set."""
@@ -278,8 +321,18 @@ class TextEnv(gym.Env):
         obs, info = self._reset(dict(options or {}))
         return messages(obs), info
 
-    def step(self, action: str):
-        if not isinstance(action, str):
-            raise TypeError(f"action must be the model's text (str), got {type(action).__name__}")
-        obs, reward, terminated, truncated, info = self._step(action[: self.max_action_chars])
+    def step(self, action: str | ToolTurn):
+        if isinstance(action, ToolTurn):
+            if not self.tools:
+                raise TypeError(f"{type(self).__name__} declares no tools: step it with the model's text (str), "
+                                "not a ToolTurn")
+            action = ToolTurn(action.text[: self.max_action_chars], action.calls)
+        elif isinstance(action, str):
+            action = action[: self.max_action_chars]
+            if self.tools:
+                action = ToolTurn(action)
+        else:
+            raise TypeError(f"action must be the model's text (str), or a ToolTurn in tool-call mode, got "
+                            f"{type(action).__name__}")
+        obs, reward, terminated, truncated, info = self._step(action)
         return messages(obs), float(reward), bool(terminated), bool(truncated), info

@@ -12,6 +12,10 @@ Design decisions:
 - A turn with `answer: <number>` (or `#### <number>`) ends the episode with
   reward 1.0 if the number is right, else 0. Anything else gets a reminder of the
   two commands. After `max_turns` turns the episode is truncated with reward 0.
+- In tool-call mode (`tool_calls=True`) the calculator is a declared tool,
+  `calculate(expression)`, that the model calls in its chat template's format
+  (envs/tools.py); each call gets a `tool` message with the value or the
+  refusal. The answer is still written as `answer: <number>`.
 - calculator-64 is 64 distinct problems from `CALC64_SEED`; training resets
   never produce one of them.
 """
@@ -29,6 +33,7 @@ import numpy as np
 
 from envs.arith import ArithmeticRefused, Limits, evaluate, format_number, parse_number
 from envs.base import TextEnv, distinct_tasks
+from envs.tools import Tool, ToolError, ToolTurn
 
 CALC64_SEED = 70070
 _CALC = re.compile(r"calc(?:ulate)?\s*(?::|\()\s*(.+)", re.IGNORECASE)
@@ -91,8 +96,17 @@ class CalculatorEnv(TextEnv):
     INSTRUCTIONS = ("Tools: write `calc: <expression>` to use a calculator (numbers and + - * / // % ** "
                     "only). When you know the result, write `answer: <number>`.")
 
-    def __init__(self, max_turns: int = 4, max_chars: int = 200, time_limit_s: float = 0.1) -> None:
+    TOOL_INSTRUCTIONS = ("Call the calculate tool for arithmetic. When you know the result, write "
+                         "`answer: <number>`.")
+    CALCULATE = Tool("calculate", "Evaluate an arithmetic expression: numbers, parentheses and + - * / // % ** "
+                     "only.", {"type": "object", "properties": {"expression": {
+                         "type": "string", "description": "The expression, e.g. (12 + 5) * 34"}},
+                         "required": ["expression"]})
+
+    def __init__(self, max_turns: int = 4, max_chars: int = 200, time_limit_s: float = 0.1,
+                 tool_calls: bool = False) -> None:
         super().__init__()
+        self.tools = (self.CALCULATE,) if tool_calls else ()
         if max_turns < 1:
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
         self.max_turns = max_turns
@@ -111,7 +125,8 @@ class CalculatorEnv(TextEnv):
         while problem is None or ("problem" not in options and problem.key() in _held_out()):
             problem = make_problem(self.np_random)
         self.problem, self.turns, self.calls = problem, 0, 0
-        return f"{problem.text}\n{self.INSTRUCTIONS}", {"answer": problem.answer}
+        instructions = self.TOOL_INSTRUCTIONS if self.tools else self.INSTRUCTIONS
+        return f"{problem.text}\n{instructions}", {"answer": problem.answer}
 
     def calculate(self, expr: str) -> str:
         """The calculator tool: the observation for one call."""
@@ -121,17 +136,31 @@ class CalculatorEnv(TextEnv):
         except ArithmeticRefused as exc:
             return f"calc error: {exc}"
 
-    def _step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        assert name == "calculate", "run_tools calls declared tools only"
+        self.calls += 1
+        try:
+            return format_number(evaluate(arguments["expression"].strip(), self.limits))
+        except ArithmeticRefused as exc:
+            raise ToolError(str(exc)) from None
+
+    def _step(self, action: str | ToolTurn) -> tuple[str | list, float, bool, bool, dict[str, Any]]:
         if self.problem is None:
             raise RuntimeError("call reset() before step()")
         self.turns += 1
         info: dict[str, Any] = {"turns": self.turns, "calls": self.calls}
+        text = action.text if isinstance(action, ToolTurn) else action
         answer = _ANSWER.search(text)
         if answer:
             value = parse_number(answer.group(1))
             correct = value is not None and value == Fraction(self.problem.answer)
             info["correct"] = correct
             return ("Correct." if correct else "Wrong."), float(correct), True, False, info
+        truncated = self.turns >= self.max_turns
+        if isinstance(action, ToolTurn):
+            obs = self.run_tools(action) or f"No tool call or answer found. {self.TOOL_INSTRUCTIONS}"
+            info["calls"] = self.calls
+            return obs, 0.0, False, truncated, info
         call = _CALC.search(text)
         if call:
             self.calls += 1
@@ -139,5 +168,4 @@ class CalculatorEnv(TextEnv):
             obs = self.calculate(call.group(1).splitlines()[0])
         else:
             obs = "No command found. " + self.INSTRUCTIONS
-        truncated = self.turns >= self.max_turns
         return obs, 0.0, False, truncated, info

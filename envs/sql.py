@@ -16,6 +16,10 @@ Design decisions:
   it likes within `max_turns`, seeing rows or the error, then `answer: <SQL>`:
   reward 1.0 if its result set equals the gold one (as a multiset of rows;
   numbers compared to 4 decimal places, column names ignored), else 0.
+- In tool-call mode (`tool_calls=True`) exploring is a declared tool,
+  `run_query(sql)`, called in the chat template's format (envs/tools.py); its
+  rows or its error come back as a `tool` message. The answer is still written
+  as `answer: <SQL>`.
 - sql-64 is 64 distinct questions from `SQL64_SEED`; training resets never
   produce one of them.
 """
@@ -33,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from envs.base import TextEnv, distinct_tasks
+from envs.tools import Tool, ToolError, ToolTurn
 
 SQL64_SEED = 50050
 DB_SEED = 7
@@ -229,10 +234,14 @@ class SqlEnv(TextEnv):
     """
 
     eval_seed = SQL64_SEED
+    RUN_QUERY = Tool("run_query", "Run one read-only SQLite query on the company database and see its first rows.",
+                     {"type": "object", "properties": {"sql": {"type": "string", "description": "A SELECT query"}},
+                      "required": ["sql"]})
 
     def __init__(self, max_turns: int = 5, time_limit_s: float = 1.0, max_rows: int = 10,
-                 max_answer_rows: int = 1000) -> None:
+                 max_answer_rows: int = 1000, tool_calls: bool = False) -> None:
         super().__init__()
+        self.tools = (self.RUN_QUERY,) if tool_calls else ()
         if max_turns < 1 or time_limit_s <= 0 or max_rows < 1:
             raise ValueError("max_turns and max_rows must be at least 1 and time_limit_s positive")
         self.max_turns, self.time_limit_s = max_turns, time_limit_s
@@ -255,16 +264,32 @@ class SqlEnv(TextEnv):
             self.conn = open_readonly()
         self.question, self.turns = question, 0
         self._gold = result_set(run_query(self.conn, question.gold, 10.0, self.max_answer_rows)[1])
+        how = ("Call the run_query tool to see up to {n} rows (as often as you like), then write "
+               if self.tools else "Run `query: <SQL>` to see up to {n} rows (as often as you like), then give ")
         return (f"Database schema:\n{SCHEMA}\nQuestion: {question.text}\n"
-                "Run `query: <SQL>` to see up to {n} rows (as often as you like), then give "
-                "`answer: <SQL>`: its result is your answer.".replace("{n}", str(self.max_rows))), {}
+                + how.replace("{n}", str(self.max_rows)) + "`answer: <SQL>`: its result is your answer."), {}
 
-    def _step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        assert name == "run_query" and self.conn is not None, "run_tools calls declared tools only, after reset"
+        sql = arguments["sql"].strip().rstrip(";").strip()
+        try:
+            return _table(*run_query(self.conn, sql, self.time_limit_s, self.max_rows))
+        except QueryError as exc:
+            raise ToolError(str(exc)) from None
+
+    def _step(self, action: str | ToolTurn) -> tuple[str | list, float, bool, bool, dict[str, Any]]:
         if self.question is None or self.conn is None:
             raise RuntimeError("call reset() before step()")
         self.turns += 1
-        command = read_command(text)
         truncated = self.turns >= self.max_turns
+        if isinstance(action, ToolTurn):
+            command = read_command(action.text)
+            if command is None or command[0] != "answer":
+                obs = self.run_tools(action) or ("No tool call or answer found. Call run_query to run a query or "
+                                                 "write `answer: SELECT ...` to answer.")
+                return obs, 0.0, False, truncated, {"turns": self.turns}
+        else:
+            command = read_command(action)
         if command is None:
             return ("No SQL found. Write `query: SELECT ...` to run a query or `answer: SELECT ...` "
                     "to answer.", 0.0, False, truncated, {"turns": self.turns})

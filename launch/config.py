@@ -8,6 +8,7 @@ This module imports nothing heavy, so `--help` answers at once.
 from __future__ import annotations
 
 import time
+from typing import Literal
 from dataclasses import dataclass, field
 
 from actors.actor import ActorConfig
@@ -77,6 +78,11 @@ class Config:
     chat_template_kwargs: str = ""
     """A JSON object passed to the model's chat template at every rendering, e.g.
     '{"enable_thinking": false}' to turn Qwen3's thinking off (empty: the template's defaults)."""
+    tool_format: Literal["auto", "hermes", "llama3-json"] = "auto"
+    """How the model writes tool calls, for environments in tool-call mode (--calculator.tool-calls,
+    --sql.tool-calls, a TextEnv that declares tools): "hermes" (<tool_call>{json}</tool_call>:
+    Qwen2.5, Qwen3), "llama3-json" (a JSON object: Llama 3.1 to 3.3) or "auto" (read off the
+    chat template)."""
     env: str = "maze"
     """Environment to train on: maze, image-maze (the maze as pictures), countdown, sql, calculator,
     dataset (prompts and a reward function: --dataset.path, --dataset.reward), code (shell
@@ -264,7 +270,21 @@ class Config:
         that cannot be rendered turn by turn)."""
         from policy.load import load_chat
 
-        return load_chat(model_path, self.template_kwargs)
+        return load_chat(model_path, self.template_kwargs, tools=self.env_tools(), tool_format=self.tool_format)
+
+    def env_tools(self) -> list[dict]:
+        """The tools --env declares in tool-call mode (`Tool.schema()` of each; empty without)."""
+        from envs import make_env
+
+        section = self.env_kwargs()
+        own = ":" in self.env and not self.env.startswith("skyrl:")
+        if not (own or section.get("tool_calls")):
+            return []  # the built-in environments declare tools only with --<env>.tool-calls
+        env = make_env(self.env, **section)
+        try:
+            return [t.schema() for t in env.tools]
+        finally:
+            env.close()
 
     def env_kwargs(self) -> dict:
         """Constructor arguments of --env from its section (--maze.*, --sql.*, ...)."""

@@ -81,9 +81,13 @@ class SqlConfig:
     """Time limit of one query."""
     max_rows: int = 10
     """Rows shown for an exploratory query."""
+    tool_calls: bool = False
+    """Declare a run_query tool that the model calls in its chat template's format (Qwen's
+    <tool_call>, Llama 3.1's JSON) instead of writing `query: <SQL>` (docs/tools.md)."""
 
     def kwargs(self) -> dict:
-        return {"max_turns": self.max_turns, "time_limit_s": self.time_limit_s, "max_rows": self.max_rows}
+        return {"max_turns": self.max_turns, "time_limit_s": self.time_limit_s, "max_rows": self.max_rows,
+                "tool_calls": self.tool_calls}
 
 
 @dataclass
@@ -96,9 +100,13 @@ class CalculatorConfig:
     """Longest expression the calculator accepts."""
     time_limit_s: float = 0.1
     """Time limit of one calculation."""
+    tool_calls: bool = False
+    """Declare a calculate tool that the model calls in its chat template's format (Qwen's
+    <tool_call>, Llama 3.1's JSON) instead of writing `calc: <expression>` (docs/tools.md)."""
 
     def kwargs(self) -> dict:
-        return {"max_turns": self.max_turns, "max_chars": self.max_chars, "time_limit_s": self.time_limit_s}
+        return {"max_turns": self.max_turns, "max_chars": self.max_chars, "time_limit_s": self.time_limit_s,
+                "tool_calls": self.tool_calls}
 
 
 @dataclass

@@ -41,6 +41,12 @@ Design decisions:
   image and `prompt_ids` / `observation_ids` return it expanded (`vision.expand`), so the
   episode's tokens are those the model sees. The checks at construction then also render
   episodes whose observations hold pictures.
+- **Tools.** With `tools` (JSON schemas in the OpenAI function format), every rendering passes
+  them to the template (`apply_chat_template(tools=...)`), so the prompt declares them as the
+  model was trained to see them, and the checks at construction run with them. `parse_tools`
+  reads a model turn's calls with the parser of the template's family (policy/tools.py), named
+  by `tool_format` or detected from the template; a template that ignores the tools, or whose
+  format is unknown, raises `ValueError` at construction.
 - **Generation prompt as the template renders it.** `template_kwargs` go to
   every rendering (e.g. `{"enable_thinking": False}` for Qwen3); by default none,
   so Qwen3 thinks: its generation prompt is `<|im_start|>assistant\\n` and the
@@ -114,8 +120,11 @@ class Chat:
         tokens += chat.observation_ids(observation)   # and so on, turn after turn
     """
 
-    def __init__(self, tokenizer, template_kwargs: dict | None = None, scheme=None) -> None:
-        """`scheme`: the image scheme of a vision-language model (policy/vision.py `scheme_for`)."""
+    def __init__(self, tokenizer, template_kwargs: dict | None = None, scheme=None,
+                 tools: Sequence[dict] | None = None, tool_format: str = "auto") -> None:
+        """`scheme`: the image scheme of a vision-language model (policy/vision.py `scheme_for`);
+        `tools`: the environment's tools in tool-call mode (`Tool.schema()` of each), and
+        `tool_format` the name of their parser in policy/tools.py FORMATS, or "auto"."""
         self.tokenizer = tokenizer
         self.scheme = scheme
         self.template_kwargs = dict(template_kwargs or {})
@@ -125,6 +134,9 @@ class Chat:
                 f"the tokenizer of {self.name} has no chat template: Tandem renders episodes with it. "
                 "Use an instruct/chat checkpoint, or set tokenizer.chat_template (chat_template.jinja in "
                 "the model folder)")
+        self.tools: list[dict] = [dict(t) for t in tools or ()]
+        """The tools every rendering declares (empty: none, the model's text is the action)."""
+        self.tool_format = self._find_tool_format(tool_format) if self.tools else ""
         self.end_of_turn, self._eot_text = self._find_end_of_turn()
         eos = tokenizer.eos_token_id
         self.stop_ids: tuple[int, ...] = (self.end_of_turn,) + (
@@ -139,9 +151,10 @@ class Chat:
         self._check_incremental()
 
     # -- rendering --------------------------------------------------------------
-    def _text(self, messages, generation_prompt: bool) -> str:
+    def _text(self, messages, generation_prompt: bool, tools: bool = True) -> str:
+        extra = {"tools": self.tools} if self.tools and tools else {}
         return self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=generation_prompt, tokenize=False, **self.template_kwargs)
+            list(messages), add_generation_prompt=generation_prompt, tokenize=False, **self.template_kwargs, **extra)
 
     def _ids(self, text: str) -> list[int]:
         # what apply_chat_template(tokenize=True) does: the template writes the special tokens
@@ -209,6 +222,36 @@ class Chat:
     def decode(self, ids: list[int]) -> str:
         """The text of a model turn, stop tokens removed."""
         return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)
+
+    def parse_tools(self, text: str):
+        """(the text outside the calls, the calls) of a model turn's text, read in the template's
+        tool-call format (policy/tools.py: a call that cannot be read has `error` set)."""
+        from policy.tools import FORMATS
+
+        assert self.tools, "parse_tools is for a Chat built with tools"
+        return FORMATS[self.tool_format](text)
+
+    def _find_tool_format(self, tool_format: str) -> str:
+        from policy.tools import FORMATS, detect_format
+
+        if tool_format != "auto" and tool_format not in FORMATS:
+            raise ValueError(f"unknown tool-call format {tool_format!r}; choose one of auto, {', '.join(FORMATS)}")
+        probe = [_m("user", "Hello.")]
+        try:
+            with_tools, without = self._text(probe, True), self._text(probe, True, tools=False)
+        except Exception as exc:
+            raise ValueError(f"the chat template of {self.name} cannot render the environment's tools: {exc}") from exc
+        if with_tools == without:
+            raise ValueError(f"the chat template of {self.name} ignores tools (apply_chat_template(tools=...) renders "
+                             "nothing of them), so the model would never see the environment's tools: use a model "
+                             "whose template declares tools (Qwen2.5, Qwen3, Llama 3.1 instruct), or run the "
+                             "environment without tool calls")
+        found = tool_format if tool_format != "auto" else detect_format(str(self.tokenizer.chat_template))
+        if found is None:
+            raise ValueError(f"the tool-call format of the chat template of {self.name} is not one Tandem "
+                             f"recognises: name it with --tool-format ({', '.join(FORMATS)}), or add its parser "
+                             "to policy/tools.py FORMATS")
+        return found
 
     # -- checks at construction ---------------------------------------------------
     def _find_end_of_turn(self) -> tuple[int, str]:

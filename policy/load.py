@@ -138,13 +138,14 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_chat(path: str, template_kwargs: dict | None = None):
+def load_chat(path: str, template_kwargs: dict | None = None, tools: list[dict] | None = None,
+              tool_format: str = "auto"):
     """The `Chat` of the model at `path`: its tokenizer's template, and for a vision-language
-    model its image scheme (policy/vision.py)."""
+    model its image scheme (policy/vision.py); with `tools`, the environment's tools (tool-call mode)."""
     from policy.chat import Chat
     from policy.vision import scheme_for
 
-    return Chat(load_tokenizer(path), template_kwargs, scheme=scheme_for(path))
+    return Chat(load_tokenizer(path), template_kwargs, scheme=scheme_for(path), tools=tools, tool_format=tool_format)
 
 
 def model_class(config):

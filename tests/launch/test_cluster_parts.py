@@ -66,6 +66,16 @@ def test_a_local_run_puts_the_launch_directory_on_the_path_and_a_cluster_run_shi
     assert len(installed["py_modules"]) == len(cluster.PACKAGES)
 
 
+def test_a_cluster_run_ships_every_package_the_project_installs():
+    """The weight channel (weights/) is imported by actors and learners on every node."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(cluster.__file__).parents[1] / "pyproject.toml").read_text())
+    installed = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert set(cluster.PACKAGES) == installed and "weights" in cluster.PACKAGES
+
+
 @pytest.fixture
 def builtin_model(tmp_path, monkeypatch):
     """A built-in model's cache entry (its files are what matters here, not what they hold)."""

@@ -41,6 +41,26 @@ def test_chat_template_kwargs_reach_the_template(tiny_model):
     assert Config().template_kwargs == {}
 
 
+def test_tool_call_mode_gives_the_chat_the_environments_tools(tmp_path, tiny_model):
+    from envs.calculator import CalculatorEnv
+    from envs.sql import SqlEnv
+    from launch.envconfig import CalculatorConfig, SqlConfig
+    from policy.tiny import build_model
+    from tests.policy.templates import build_tokenizer
+
+    calculator = Config(env="calculator", calculator=CalculatorConfig(tool_calls=True))
+    assert calculator.env_tools() == [CalculatorEnv.CALCULATE.schema()]
+    assert Config(env="calculator").env_tools() == [] and Config().env_tools() == []
+    with pytest.raises(ValueError, match="ignores tools .* run the environment without tool calls"):
+        calculator.chat(tiny_model)  # the built-in policy's template declares no tools
+    tok = build_tokenizer("qwen2.5")
+    tok.save_pretrained(tmp_path)
+    build_model(tok, hidden=32, layers=1).save_pretrained(tmp_path)
+    chat = Config(env="sql", sql=SqlConfig(tool_calls=True)).chat(str(tmp_path))
+    assert chat.tools == [SqlEnv.RUN_QUERY.schema()] and chat.tool_format == "hermes"
+    assert Config(env="sql", tool_format="llama3-json").chat(str(tmp_path)).tools == []  # no tools: text mode
+
+
 def test_parts_listen_on_loopback_unless_the_run_joins_a_cluster_or_is_told_otherwise():
     assert Config().listen_host == "127.0.0.1"
     assert Config(ray_address="10.0.0.1:6379").listen_host == "node"
@@ -110,7 +130,7 @@ def test_the_choice_fields_are_those_a_user_picks_from():
     flags = {flag for flag, _ in choice_fields()}
     assert {"--algo", "--correction", "--learner.aggregation", "--learner.kl-estimator", "--learner.lr-schedule",
             "--learner.dtype", "--learner.device", "--actor.engine", "--actor.in-flight", "--actor.device",
-            "--actor.dtype", "--replay.order", "--replay.fsync"} <= flags
+            "--actor.dtype", "--replay.order", "--replay.fsync", "--tool-format"} <= flags
 
 
 def test_a_config_made_in_code_with_a_value_outside_a_choice_names_the_flag_and_the_choices():
