@@ -69,7 +69,7 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
     async def malformed(request: Request, exc: ValidationError):
         return user_error(f"malformed request: {exc.errors(include_url=False)[:3]}")
 
-    async def parse(request: Request, model):
+    async def read_json(request: Request) -> dict:
         body = await request.body()
         if len(body) > max_body_bytes:
             raise UserError(f"body of {len(body)} bytes; the limit is {max_body_bytes}")
@@ -79,7 +79,10 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
             raise UserError(f"the body is not JSON: {exc}") from None
         if not isinstance(data, dict):
             raise UserError("the body must be a JSON object")
-        return model.model_validate(data)
+        return data
+
+    async def parse(request: Request, model):
+        return model.model_validate(await read_json(request))
 
     def future(rid: str, **extra) -> dict:
         return {"request_id": rid, **extra}
@@ -127,7 +130,7 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
-        body = json.loads(await request.body() or b"{}")
+        body = await read_json(request)
         session = service.session(session_id)
         if session["finished"] is None:  # first reason wins
             session["finished"] = (body.get("reason") or {}).get("type", "success")
@@ -181,10 +184,11 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
-        body = json.loads(await request.body() or b"{}")
-        params = body.get("adam_params") if isinstance(body, dict) else None
+        body = await read_json(request)
+        params = body.get("adam_params")
         if not isinstance(params, dict):
-            kind = (body.get("optimizer_params") or {}).get("type") if isinstance(body, dict) else None
+            other = body.get("optimizer_params")
+            kind = other.get("type") if isinstance(other, dict) else None
             raise UserError(f"optim_step needs adam_params (this service trains with Adam); got {kind or body!r}")
         req = types.OptimStepRequest.model_validate(body)
         model = service.model(req.model_id)
