@@ -263,6 +263,7 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
 
     @app.post("/api/v1/asample")
     async def asample(request: Request):
+        from actors.engine import SamplingParams
         from serve.wire import encode_sample
 
         req = await parse(request, types.SampleRequest)
@@ -293,7 +294,13 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
                 or req.prompt_alt_tokens_k or req.prompt_logprobs_last_n is not None:
             raise UserError("top-k, target and partial prompt log-probs and prompt alternatives are not "
                             "served here; ask for prompt_logprobs (compute_logprobs) or sampled log-probs")
-        service.sampler.stop_ids(p.stop)  # a bad stop list is refused now, not in the worker
+        try:  # refused now, not in the worker
+            service.sampler.stop_ids(p.stop)
+            SamplingParams(limit, (), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        if p.temperature < 0:
+            raise UserError(f"temperature must be at least 0, got {p.temperature}")
 
         def job():
             seqs, prompt_lp = service.sampler.sample(weights, prompt, n, limit, p.temperature, p.top_k, p.top_p,
