@@ -335,3 +335,18 @@ def test_the_qwen_picture_of_a_later_turn_reaches_the_model(qwen_vl, qwen_vl_cha
                                                 abs=1e-4)
         logps.append(_full_qwen_logprobs(engine, prompt, [first, later], list(range(10, 50))))  # ordinary tokens
     assert max(abs(x - y) for x, y in zip(*logps)) > 1e-4
+
+
+def test_top_k_and_top_p_truncate_and_renormalise():
+    from actors.torch_engine import _truncate
+
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.3, 0.0], [0.1, 0.6, 0.25, 0.05]]))
+    k2 = _truncate(logp, 2, 1.0).exp()  # the two most probable of each row, renormalised
+    torch.testing.assert_close(k2, torch.tensor([[0.625, 0.0, 0.375, 0.0], [0.0, 0.6 / 0.85, 0.25 / 0.85, 0.0]]))
+    # top_p 0.6: row 0 keeps 0.5 (below 0.6) and 0.3 (the one that reaches it); row 1 keeps 0.6 alone
+    p6 = _truncate(logp, 0, 0.6).exp()
+    torch.testing.assert_close(p6, torch.tensor([[0.625, 0.0, 0.375, 0.0], [0.0, 1.0, 0.0, 0.0]]))
+    assert _truncate(logp, 0, 1.0) is logp and _truncate(logp, -1, 1.0) is logp
+    for bad in ({"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError):
+            SamplingParams(4, (), **bad)
