@@ -23,6 +23,7 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -125,7 +126,7 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
         session = service.session(req.session_id)
         if session["finished"] is not None:
             return user_error(f"session {req.session_id} has finished", 410)
-        session["heartbeat"] = asyncio.get_running_loop().time()
+        session["heartbeat"] = time.time()
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
@@ -133,7 +134,8 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
         body = await read_json(request)
         session = service.session(session_id)
         if session["finished"] is None:  # first reason wins
-            session["finished"] = (body.get("reason") or {}).get("type", "success")
+            reason = body.get("reason")
+            session["finished"] = reason.get("type", "success") if isinstance(reason, dict) else "success"
         return Response(status_code=200)
 
     # -- training ------------------------------------------------------------------
