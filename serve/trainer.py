@@ -262,10 +262,3 @@ class Trainer:
         if optimizer:
             self.optimizers[name].load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         self.steps[name] = int(meta.get("step", 0))
-
-    def close(self, name: str) -> None:
-        """Forget adapter `name` and its optimizer."""
-        if name in self.specs:
-            self.peft.delete_adapter(name)
-            for d in (self.specs, self.choices, self.optimizers, self.steps):
-                d.pop(name)
