@@ -93,7 +93,7 @@ class Trainer:
         trainer.create("m1", LoraChoice(rank=8, seed=0))   # PEFT adapter names: no "lora" in them
         out = trainer.forward_backward("m1", data, "cross_entropy", {}, forward_only=False)
         trainer.optim_step("m1", {"learning_rate": 1e-3})
-        trainer.save("m1", run_dir, optimizer=True)
+        trainer.save("m1", Path("ckpt"), optimizer=True, base_model=model_dir)
     """
 
     def __init__(self, model_path: str, threads: int = 0) -> None:
