@@ -10,6 +10,7 @@ from tests.serve.conftest import start_service
 from tests.serve.test_training import ADAM, DATA, PROBE, logprobs, step
 
 
+@pytest.mark.slow  # two service starts: about 25 s on the 2-core machine
 def test_state_survives_a_restart(tiny_model, tmp_path):
     logdir = tmp_path / "run"
     served = start_service(tiny_model, logdir)
