@@ -59,6 +59,16 @@ class SamplingParams:
     stop_ids: tuple[int, ...]
     temperature: float = 1.0
     """0 means greedy."""
+    top_k: int = 0
+    """Sample among the k most probable tokens only; 0 (or -1) means all."""
+    top_p: float = 1.0
+    """Sample among the most probable tokens whose probabilities sum to top_p (nucleus); 1 means all."""
+
+    def __post_init__(self) -> None:
+        if self.top_k < -1:
+            raise ValueError(f"top_k is a number of tokens (0 or -1: no limit), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass

@@ -132,7 +132,7 @@ class TorchEngine:
             outs = [Completion([], [], False) for _ in range(n)]
             done = [False] * n
             for t in range(params.max_new_tokens):
-                tokens, logps = self._sample(logits, params.temperature, keys, t)
+                tokens, logps = self._sample(logits, params.temperature, keys, t, params.top_k, params.top_p)
                 step: list[list[int]] = []
                 for i in range(n):
                     if done[i]:
@@ -148,9 +148,12 @@ class TorchEngine:
                 logits = self._forward(step)
             return outs
 
-    def _sample(self, logits, temperature: float, keys: list[int | None], t: int) -> tuple[list[int], list[float]]:
+    def _sample(self, logits, temperature: float, keys: list[int | None], t: int, top_k: int = 0,
+                top_p: float = 1.0) -> tuple[list[int], list[float]]:
         """The t-th token of every row: greedy, or by inverse CDF at one uniform per row, hashed
-        from the row's key (seeded rows) or drawn from the engine's generator (the others)."""
+        from the row's key (seeded rows) or drawn from the engine's generator (the others). With
+        `top_k` / `top_p` the distribution sampled, and the log-probs returned, are the truncated
+        one renormalised (the tokens outside it have probability zero)."""
         torch = self.torch
         logits = logits.float()
         if self._banned:
@@ -159,7 +162,7 @@ class TorchEngine:
             tokens = logits.argmax(-1)
             logp = torch.log_softmax(logits, -1)
         else:
-            logp = torch.log_softmax(logits / temperature, -1)
+            logp = _truncate(torch.log_softmax(logits / temperature, -1), top_k, top_p)
             u = self._uniforms(keys, t)  # [B]
             cdf = logp.double().exp().cumsum(-1)  # [B, V]; float64, so rare tokens keep their share
             # right=True: the token whose interval [cdf[i-1], cdf[i]) holds u·total, so a token of
@@ -327,3 +330,24 @@ class TorchEngine:
     def close(self) -> None:
         self.reset_cache()
         del self.model
+
+
+def _truncate(logp, top_k: int, top_p: float):
+    """Log-probs [B, V] restricted to each row's `top_k` most probable tokens and then to the
+    smallest set of them whose probability reaches `top_p`, renormalised; unchanged when neither
+    limits anything."""
+    import torch
+
+    vocab = logp.shape[-1]
+    if (top_k <= 0 or top_k >= vocab) and top_p >= 1.0:
+        return logp
+    ordered, order = logp.sort(dim=-1, descending=True)  # [B, V]
+    drop = torch.zeros_like(ordered, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        drop[:, top_k:] = True
+    if top_p < 1.0:
+        before = ordered.exp().cumsum(-1) - ordered.exp()  # probability of the tokens ranked above
+        drop |= before >= top_p  # the most probable token is always kept (before = 0)
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    kept = torch.full_like(logp, float("-inf")).scatter(-1, order, ordered)
+    return torch.log_softmax(kept, -1)

@@ -357,6 +357,7 @@ class VLLMEngine:
 
         p = turn.params
         sp = VSamplingParams(temperature=p.temperature, max_tokens=p.max_new_tokens - len(turn.tokens),
+                             top_k=p.top_k if p.top_k > 0 else -1, top_p=p.top_p,
                              stop_token_ids=list(p.stop_ids), logprobs=0, detokenize=False,
                              skip_special_tokens=False, ignore_eos=True,  # stop on p.stop_ids only
                              output_kind=RequestOutputKind.DELTA,

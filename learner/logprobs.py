@@ -130,3 +130,19 @@ def model_terms(model, tokens: torch.Tensor, attention: torch.Tensor, temperatur
     hidden = out.hidden_states[-1]  # [b, T, H]
     head = head if head is not None else model.get_output_embeddings()
     return chunked_terms(hidden, head, tokens, temperature, chunk, entropy, entropy_grad, banned)
+
+
+def target_logprobs(model, inputs: torch.Tensor, targets: torch.Tensor, attention: torch.Tensor,
+                    chunk: int = 1024, head: Head | None = None) -> torch.Tensor:
+    """log π(targets[:, t] | inputs[:, :t + 1]) [b, T]: each position's log-prob of a token given
+    per position (the Tinker API's `target_tokens`, which need not be the next input token), by the
+    same chunked head and log-softmax as `model_terms`. inputs, targets, attention: [b, T]."""
+    out = model(input_ids=inputs, attention_mask=attention, output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1]  # [b, T, H]
+    # chunked_terms scores tokens[:, t + 1] from hidden[:, t]: shift the targets right by one and
+    # give the hidden states one unused last position.
+    hidden = torch.cat([hidden, hidden[:, -1:]], dim=1)  # [b, T + 1, H]
+    shifted = torch.cat([targets[:, :1], targets], dim=1)  # [b, T + 1]
+    head = head if head is not None else model.get_output_embeddings()
+    logp, _ = chunked_terms(hidden, head, shifted, chunk=chunk)
+    return logp[:, 1:]

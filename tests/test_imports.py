@@ -1,6 +1,6 @@
 """Imports run one way (docs: DESIGN.md, "Imports run one way").
 
-launch/ may import every part; actors/ imports replay/ (wire types), weights/, envs/
+launch/ may import every part; serve/ (the Tinker service) every part but launch/; actors/ imports replay/ (wire types), weights/, envs/
 and the policy; learner/ imports replay/, weights/ and the policy; envs/, replay/ and
 policy/ import no other part, and weights/ none but the policy's adapter format
 (policy.adapter); actors/ and learner/ never import each other. No part imports bench/ or
@@ -14,9 +14,10 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("actors", "learner", "replay", "weights", "envs", "policy", "launch")
+PARTS = ("actors", "learner", "replay", "weights", "envs", "policy", "launch", "serve")
 ALLOWED = {
     "launch": set(PARTS),
+    "serve": set(PARTS) - {"launch"},
     "actors": {"replay", "weights", "envs", "policy"},
     "learner": {"replay", "weights", "policy"},
     "envs": set(),

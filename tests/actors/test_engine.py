@@ -349,3 +349,18 @@ def test_the_engines_load_bf16_on_cuda_and_fp32_on_cpu_by_default(tiny_model):
     assert ActorConfig(gpus=1, dtype="float32").engine_options()["dtype"] == "float32"
     engine = TorchEngine(tiny_model, LoraSpec(rank=4))  # "auto" on this CPU
     assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+
+
+def test_top_k_and_top_p_truncate_and_renormalise():
+    from actors.torch_engine import _truncate
+
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.3, 0.0], [0.1, 0.6, 0.25, 0.05]]))
+    k2 = _truncate(logp, 2, 1.0).exp()  # the two most probable of each row, renormalised
+    torch.testing.assert_close(k2, torch.tensor([[0.625, 0.0, 0.375, 0.0], [0.0, 0.6 / 0.85, 0.25 / 0.85, 0.0]]))
+    # top_p 0.6: row 0 keeps 0.5 (below 0.6) and 0.3 (the one that reaches it); row 1 keeps 0.6 alone
+    p6 = _truncate(logp, 0, 0.6).exp()
+    torch.testing.assert_close(p6, torch.tensor([[0.625, 0.0, 0.375, 0.0], [0.0, 1.0, 0.0, 0.0]]))
+    assert _truncate(logp, 0, 1.0) is logp and _truncate(logp, -1, 1.0) is logp
+    for bad in ({"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError):
+            SamplingParams(4, (), **bad)

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from learner.logprobs import chunked_terms, model_terms
+from learner.logprobs import chunked_terms, model_terms, target_logprobs
 from learner.losses import token_entropy, token_logprobs
 from tests.learner.test_fsdp import _port
 
@@ -182,6 +182,23 @@ def test_chunks_under_a_two_rank_fsdp_learner_equal_the_whole_logits(tiny_model,
     # gradients are the sum over both ranks' data: every rank holds the same full gradient
     for n, grad in results[0][0][(True, 5)][3].items():
         close(results[1][0][(True, 5)][3][n], grad, rtol=0, atol=0)
+
+
+def test_target_logprobs_score_any_given_token_per_position():
+    model = _lora_model()
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(4, 100, (2, 9), generator=g)
+    targets = torch.randint(4, 100, (2, 9), generator=g)  # not the next tokens
+    attention = torch.ones_like(tokens)
+    with torch.no_grad():
+        logits = model(input_ids=tokens, attention_mask=attention).logits  # [2, 9, V]
+        expect = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
+        for chunk in (3, 1024):
+            close(target_logprobs(model, tokens, targets, attention, chunk=chunk), expect, rtol=1e-5, atol=1e-5)
+        # with the next tokens as targets they are the model's log-probs, shifted by one
+        nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+        close(target_logprobs(model, tokens, nxt, attention)[:, :-1], model_terms(model, tokens, attention)[0][:, 1:],
+              rtol=1e-5, atol=1e-5)
 
 
 def test_negative_chunk_or_token_budget_is_refused_with_the_flag_to_change():

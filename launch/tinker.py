@@ -1,0 +1,104 @@
+"""`python -m launch.tinker [--port 8000] [--model builtin:tiny] [--logdir DIR]`: serve the Tinker API.
+
+Scripts written for Thinking Machines' Tinker (the `tinker` SDK, tested with 0.38) train on this
+machine when pointed at the service: `TINKER_BASE_URL=http://127.0.0.1:8000` and the same
+`TINKER_API_KEY` (a `tml-` key of your choosing) in both shells. The service trains LoRA adapters
+on `--model` with Tandem's learner code and samples with its torch engine (serve/); docs/tinker.md
+says what is supported. It listens on loopback unless `--host` says otherwise, and prints
+`listening on http://HOST:PORT` once it accepts requests (with `--port 0`, a free port).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import tyro
+
+
+@dataclass
+class TinkerArgs:
+    port: int = 8000
+    """TCP port (0: any free port; the line `listening on ...` names it)."""
+    host: str = "127.0.0.1"
+    """Address to listen on; loopback by default. Anything else exposes the service to the network."""
+    model: str = "builtin:tiny"
+    """The base model served: a built-in, a Hugging Face checkpoint directory or Hub id."""
+    logdir: str = "runs/tinker"
+    """The service's run directory: checkpoints (tinker:// paths) and their index."""
+    api_key_file: str | None = None
+    """A file holding the API key the service accepts (default: the TINKER_API_KEY variable)."""
+    learners: int = 1
+    """Learner ranks. The service trains in its own process: only 1 is supported."""
+    chunk_datums: int = 1024
+    """Datums per forward_backward request: the SDK splits larger batches into parallel chunks."""
+    poll_s: float = 20.0
+    """How long a retrieve_future waits for a result before answering 408 (the SDK polls again)."""
+    max_body_mb: int = 64
+    """Largest request body accepted, in MiB."""
+    threads: int = 0
+    """torch threads (0: torch's default)."""
+
+    def __post_init__(self) -> None:
+        if self.learners != 1:
+            raise ValueError(f"--learners {self.learners}: the Tinker service trains in one process; use --learners 1")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port {self.port} is no TCP port")
+        if self.chunk_datums < 1 or not 0 < self.poll_s < 40 or self.max_body_mb < 1:
+            raise ValueError("--chunk-datums and --max-body-mb must be at least 1, and --poll-s in (0, 40) "
+                             "(the SDK gives up on a poll after 45 s)")
+
+
+def api_key(args: TinkerArgs) -> str:
+    """The key the service accepts; SystemExit saying what to do when there is none or it is unusable."""
+    if args.api_key_file is not None:
+        try:
+            key = open(args.api_key_file).read().strip()
+        except OSError as exc:
+            raise SystemExit(f"error: --api-key-file {args.api_key_file}: {exc}") from None
+    else:
+        key = os.environ.get("TINKER_API_KEY", "")
+    if not key:
+        raise SystemExit("error: no API key: export TINKER_API_KEY=tml-<something secret> (the SDK reads the "
+                         "same variable) or pass --api-key-file")
+    if not key.startswith("tml-"):
+        raise SystemExit("error: the API key must start with 'tml-' (the tinker SDK refuses any other)")
+    return key
+
+
+def main(args: TinkerArgs) -> None:
+    import logging
+    import socket
+    from pathlib import Path
+
+    import uvicorn
+
+    from policy.load import resolve_model
+    from serve.app import make_app
+    from serve.service import Service
+
+    key = api_key(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    path = resolve_model(args.model)
+    service = Service(path, args.model, Path(args.logdir), threads=args.threads)
+    app = make_app(service, key, chunk_datums=args.chunk_datums, poll_s=args.poll_s,
+                   max_body_bytes=args.max_body_mb << 20)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(2048)  # connections wait in the backlog until the server accepts them
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=75))
+    print(f"serving {args.model} ({path}); listening on http://{host}:{port}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.close()
+
+
+if __name__ == "__main__":
+    try:
+        main(tyro.cli(TinkerArgs, prog="python -m launch.tinker"))
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")

@@ -1,0 +1,131 @@
+"""Sampling for the Tinker API on Tandem's torch engine (actors/torch_engine.py).
+
+One engine per LoRA shape (rank and adapted modules), loaded when first needed; a sampling
+session names an adapter (its tensors: a snapshot of a training client, a saved checkpoint, or
+none for the base model) and the engine loads it before the session's request when another
+is applied. The engine runs the LoRA branch unmerged (`merge_lora=False`): folding an adapter on
+a tied output head into its weight would change the input embeddings too.
+
+A request's `num_samples` completions are one batch of the engine, each seeded from the
+request's seed and its index when a seed is given (the engine's reproducible per-request
+streams), from the engine's generator otherwise. Stop tokens are the engine's; stop strings are
+applied to the decoded text after each token, a sequence ending with the token that completed
+the string. The sampled log-probs are those of the distribution sampled (after temperature,
+top-k and top-p). Prompt log-probs (`compute_logprobs`) are the learner's log-probs
+(learner/logprobs.py) under the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.engine import SamplingParams, stream_seed
+from actors.torch_engine import TorchEngine
+from learner.logprobs import target_logprobs
+from policy.load import LoraSpec, load_tokenizer
+from serve.wire import Sequence
+
+MAX_STOP_STRINGS = 32
+
+
+@dataclass
+class Weights:
+    """What a sampling session samples with."""
+
+    key: str
+    """Names these weights (a path or a snapshot id): the engine reloads when it changes."""
+    spec: LoraSpec | None
+    """The adapter's shape; None for the base model."""
+    tensors: dict | None
+
+
+class Sampler:
+    """Sampling and prompt log-probs under given weights.
+
+    Usage::
+
+        sampler = Sampler(model_dir)
+        seqs, prompt_lp = sampler.sample(weights, prompt, n=4, max_tokens=16, temperature=1.0,
+                                         top_k=-1, top_p=1.0, stop=None, seed=7, prompt_logprobs=False)
+    """
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self.tokenizer = load_tokenizer(model_path)
+        self.engines: dict[tuple, TorchEngine] = {}
+        self.applied: dict[tuple, str] = {}
+
+    def _engine(self, weights: Weights) -> TorchEngine:
+        spec = weights.spec or LoraSpec(rank=1, target_modules=["q_proj"])
+        shape = (spec.rank, spec.alpha, tuple(spec.target_modules))
+        engine = self.engines.get(shape)
+        if engine is None:
+            engine = self.engines[shape] = TorchEngine(self.model_path, spec, merge_lora=False)
+            self.applied[shape] = "identity" if weights.spec is None else ""
+        if self.applied[shape] != weights.key:
+            tensors = weights.tensors
+            if tensors is None:  # the base model: the adapter's B is zero, its update nothing
+                from peft import get_peft_model_state_dict
+
+                tensors = {k: torch.zeros_like(v) for k, v in get_peft_model_state_dict(engine.model).items()}
+            engine.load_adapter(engine.version + 1, tensors)
+            self.applied[shape] = weights.key
+        return engine
+
+    def stop_ids(self, stop) -> tuple[tuple[int, ...], list[str]]:
+        """(stop tokens, stop strings) of the API's `stop`: None stops on eos; [] on nothing."""
+        if stop is None:
+            eos = self.tokenizer.eos_token_id
+            return ((eos,) if eos is not None else ()), []
+        if isinstance(stop, str):
+            stop = [stop]
+        stop = list(stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences, got {len(stop)}")
+        if all(isinstance(s, int) for s in stop):
+            vocab = len(self.tokenizer)
+            bad = [s for s in stop if not 0 <= s < vocab]
+            if bad:
+                raise ValueError(f"stop token {bad[0]} is outside the vocabulary [0, {vocab})")
+            return tuple(stop), []
+        if all(isinstance(s, str) and s for s in stop):
+            return (), stop
+        raise ValueError("stop must be a string, a list of non-empty strings or a list of token ids")
+
+    def sample(self, weights: Weights, prompt: list[int], n: int, max_tokens: int, temperature: float,
+               top_k: int, top_p: float, stop, seed: int | None,
+               prompt_logprobs: bool) -> tuple[list[Sequence], list[float | None] | None]:
+        engine = self._engine(weights)
+        stop_ids, stop_strings = self.stop_ids(stop)
+        params = SamplingParams(max_tokens, stop_ids, temperature=temperature, top_k=top_k, top_p=top_p)
+        seeds = None if seed is None else [stream_seed(seed, i) for i in range(n)]
+        outs = engine.generate([list(prompt)] * n, params, seeds=seeds)
+        seqs = [self._cut(Sequence(o.tokens, o.logprobs, o.stopped), stop_strings) for o in outs]
+        return seqs, (self.prompt_logprobs(engine, prompt) if prompt_logprobs else None)
+
+    def _cut(self, seq: Sequence, stop_strings: list[str]) -> Sequence:
+        """`seq` up to and including the token whose text completes the first stop string."""
+        if not stop_strings:
+            return seq
+        for t in range(1, len(seq.tokens) + 1):
+            text = self.tokenizer.decode(seq.tokens[:t])
+            if any(s in text for s in stop_strings):
+                return Sequence(seq.tokens[:t], seq.logprobs[:t], True)
+        return seq
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, engine: TorchEngine, prompt: list[int]) -> list[float | None]:
+        """log π(prompt[t] | prompt[:t]) for t ≥ 1, None at position 0."""
+        if len(prompt) < 2:
+            return [None] * len(prompt)
+        ids = torch.tensor([prompt[:-1]], dtype=torch.long, device=engine.device)
+        targets = torch.tensor([prompt[1:]], dtype=torch.long, device=engine.device)
+        logp = target_logprobs(engine.model, ids, targets, torch.ones_like(ids))[0]
+        return [None] + logp.float().cpu().tolist()
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines.clear()
