@@ -38,7 +38,7 @@ import os
 import socket
 from pathlib import Path
 
-PACKAGES = ("actors", "envs", "learner", "launch", "policy", "replay", "weights", "bench")
+PACKAGES = ("actors", "envs", "learner", "launch", "policy", "replay", "weights", "bench", "serve")
 """Tandem's top-level packages: what a cluster run ships to every node."""
 
 COPY_LIMIT = 256 << 20
