@@ -31,17 +31,16 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from envs.sandbox_watch import NOBODY, Capped, watcher
+from envs.sandbox_watch import NOBODY, WORKDIR, Capped, watcher
 
 INNER_UID = 1000
 """The uid the command sees inside (a user namespace maps it to the host uid)."""
-WORKDIR = "/workspace"
-"""Where the episode's folder appears inside the sandbox (not /work: host paths there may be bound)."""
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "mime.types")
 """Host /etc entries bound read-only (no secrets: the loader's cache, Debian's command links)."""
 
@@ -286,16 +285,23 @@ class Sandbox:
             os.close(info_w)
         pidfds = [os.pidfd_open(proc.pid)]  # bwrap, then the sandbox's init once it is known
         killed: list[str] = []
+        ended = threading.Lock()  # held while signalling, and by the close of the pidfds
+        closed = False
 
         def kill(why: str = "memory") -> None:
             """SIGKILL the sandbox's init (the kernel then kills the rest of its pid namespace, and bwrap
-            reaps it); bwrap itself only before the init is known (it would leave the init to the host's)."""
-            if not killed:
-                killed.append(why)
-            try:
-                signal.pidfd_send_signal(pidfds[-1], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            reaps it); bwrap itself only before the init is known (it would leave the init to the host's).
+            A call after the command ended does nothing: the watcher may act on a scan made before it
+            forgot this sandbox, and the pidfds' numbers may by then belong to another command."""
+            with ended:
+                if closed:
+                    return
+                if not killed:
+                    killed.append(why)
+                try:
+                    signal.pidfd_send_signal(pidfds[-1], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
         out = Capped(limits.output_bytes)
         ns, info = None, b""
@@ -334,8 +340,10 @@ class Sandbox:
                 proc.wait()
             proc.stdout.close()
             os.close(info_r)
-            for fd in pidfds:
-                os.close(fd)
+            with ended:
+                closed = True
+                for fd in pidfds:
+                    os.close(fd)
         return Result(proc.returncode, out.text(), timed_out=killed[:1] == ["timeout"],
                       out_of_memory=killed[:1] == ["memory"], output_cut=out.cut,
                       seconds=time.monotonic() - started)

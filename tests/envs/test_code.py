@@ -54,7 +54,7 @@ def env(root):
     yield env
     env.close()
     assert [p.name for p in root.iterdir() if p.name.startswith("ep-")] == []
-    assert sandboxed_pids() == []
+    assert sandboxed_pids(root) == []
 
 
 def test_every_code64_task_is_valid():

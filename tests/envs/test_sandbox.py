@@ -15,8 +15,9 @@ import pytest
 from envs import make_env
 from envs.base import MAX_TEXT
 from envs.code import CODE64_SEED, task_set
+import envs.sandbox as sandbox_module
 from envs.sandbox import Limits, Sandbox, SandboxConfig, SandboxUnavailable
-from envs.sandbox_watch import Capped, sandboxed_pids
+from envs.sandbox_watch import Capped, Watcher, sandboxed_pids
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def env(root):
     env.close()
     assert not folder.exists()
     assert [p.name for p in root.iterdir() if p.name.startswith("ep-")] == []
-    assert sandboxed_pids() == []
+    assert sandboxed_pids(root) == []
 
 
 def run(env, command: str) -> tuple[str, dict]:
@@ -43,7 +44,7 @@ def alive(env) -> None:
     """The environment still answers: the next command runs and the repository is intact."""
     text, info = run(env, "echo still-here; ls tests")
     assert info["exit_code"] == 0 and "still-here" in text and "test_visible.py" in text
-    assert sandboxed_pids() == []
+    assert sandboxed_pids(env.sandbox.root) == []
 
 
 def test_loopback_and_other_addresses_are_unreachable(env):
@@ -116,14 +117,24 @@ def test_fork_bomb_is_contained(env):
     alive(env)
 
 
+def holding_memory(env):
+    """The limits of a memory test: only the watcher may end it. Its commands hold their memory
+    until killed; no deadline comes first, and no CPU limit either (a loaded machine has spent
+    more than a CPU second zeroing 600 MiB of pages, and RLIMIT_CPU then killed the allocation
+    before the watcher saw it)."""
+    env.limits = replace(env.limits, wall_s=120.0, cpu_s=120)
+
+
 def test_memory_past_the_budget_in_one_process_is_killed(env):
-    text, _ = run(env, "python3 -c 'x = bytearray(600 << 20); import time; time.sleep(3)'; echo after")
+    holding_memory(env)
+    text, _ = run(env, "python3 -c 'x = bytearray(600 << 20); import time; time.sleep(100)'; echo after")
     assert "killed: the memory budget was exceeded" in text and "after" not in text
     alive(env)
 
 
 def test_memory_past_the_budget_across_children_is_killed(env):
-    one = "python3 -c 'x = bytearray(100 << 20); import time; time.sleep(3)'"
+    holding_memory(env)
+    one = "python3 -c 'x = bytearray(100 << 20); import time; time.sleep(100)'"
     text, _ = run(env, f"for i in 1 2 3 4 5; do {one} & done; wait; echo after")
     assert "killed: the memory budget was exceeded" in text and "after" not in text
     alive(env)
@@ -148,7 +159,7 @@ def test_sleep_past_the_deadline_is_killed(env, command):
 def test_background_processes_do_not_outlive_the_command(env):
     text, _ = run(env, "(sleep 3141 &); nohup sleep 3142 >/dev/null 2>&1 & setsid sleep 3143 & disown -a; echo left")
     assert "left" in text
-    assert sandboxed_pids() == []
+    assert sandboxed_pids(env.sandbox.root) == []
     text, _ = run(env, "ps -e -o comm=")
     assert "sleep" not in text
     alive(env)
@@ -182,7 +193,84 @@ def test_many_episodes_at_once_keep_to_their_own_folders(root):
         t.join()
     assert results == {i: f"{i}\n1\n" for i in range(16)}
     assert [p.name for p in root.iterdir() if p.name.startswith("ep-")] == []
-    assert sandboxed_pids() == []
+    assert sandboxed_pids(root) == []
+
+
+def waiting(ep, results: list, limits: Limits | None = None) -> threading.Thread:
+    """A command in `ep` that runs until the test writes `stop` into the work folder (a thread)."""
+    thread = threading.Thread(target=lambda: results.append(
+        ep.run("while [ ! -e stop ]; do sleep 0.05; done; echo stopped", limits)))
+    thread.start()
+    return thread
+
+
+def test_a_late_kill_reaches_no_other_command(root, monkeypatch):
+    """The watcher may act on a scan made before a command ended; by then the command's pidfd
+    numbers may belong to the next command's. Its kill must reach nothing."""
+    kills = []
+
+    class Recorder:
+        def watch(self, ns, budget, kill):
+            kills.append(kill)
+
+        def forget(self, ns):
+            pass
+
+    monkeypatch.setattr(sandbox_module, "watcher", Recorder)
+    sandbox = Sandbox(SandboxConfig(root=str(root)))
+    with sandbox.episode() as ep:
+        assert ep.run("echo first").output == "first\n"
+        late, results = kills[-1], []
+        thread = waiting(ep, results, Limits(wall_s=120))
+        while len(kills) < 2 and thread.is_alive():  # the next command's sandbox is up and watched
+            thread.join(0.01)
+        late()
+        ep.write("stop", "")
+        thread.join()
+    assert results[0].exit_code == 0 and results[0].output == "stopped\n" and not results[0].killed
+
+
+def test_a_watcher_survives_a_kill_that_fails(root):
+    sandbox, results = Sandbox(SandboxConfig(root=str(root))), []
+    with sandbox.episode() as ep:
+        thread = waiting(ep, results, Limits(wall_s=120))
+        ns = None
+        while ns is None and thread.is_alive():
+            for pid in sandboxed_pids(root):
+                try:
+                    ns = int(os.readlink(f"/proc/{pid}/ns/pid")[5:-1])
+                except OSError:  # a `sleep` of the loop that has ended
+                    continue
+            thread.join(0.01)
+        assert ns is not None, results
+        calls = []
+
+        def failing():
+            calls.append(1)
+            raise OSError("a kill that fails")
+
+        watch = Watcher()
+        watch.watch(ns, 0, failing)  # any memory is over a budget of 0: called on every tick
+        while len(calls) < 2 and thread.is_alive():  # the second call: the thread lived through the first failure
+            thread.join(0.01)
+        watch.forget(ns)
+        ep.write("stop", "")
+        thread.join()
+    assert len(calls) >= 2 and results[0].output == "stopped\n"
+
+
+def test_leak_checks_see_only_their_own_root(root):
+    other = root / "other"
+    other.mkdir(mode=0o711)
+    sandbox, results = Sandbox(SandboxConfig(root=str(root))), []
+    with sandbox.episode() as ep:
+        thread = waiting(ep, results, Limits(wall_s=120))
+        while not sandboxed_pids(root) and thread.is_alive():
+            thread.join(0.01)
+        assert sandboxed_pids(other) == [] and set(sandboxed_pids(root)) <= set(sandboxed_pids())
+        ep.write("stop", "")
+        thread.join()
+    assert sandboxed_pids(root) == []
 
 
 def test_leftovers_of_a_dead_process_are_swept_at_start(root):
