@@ -280,7 +280,7 @@ class Sandbox:
                 self.command(folder, cmd, limits, info_w, binds), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, pass_fds=(info_w,), env={}, close_fds=True,
                 user=NOBODY if self.as_root else None, group=NOBODY if self.as_root else None,
-                extra_groups=[] if self.as_root else None)
+                extra_groups=[] if self.as_root else None, start_new_session=True)
         finally:
             os.close(info_w)
         pidfds = [os.pidfd_open(proc.pid)]  # bwrap, then the sandbox's init once it is known
@@ -290,7 +290,9 @@ class Sandbox:
 
         def kill(why: str = "memory") -> None:
             """SIGKILL the sandbox's init (the kernel then kills the rest of its pid namespace, and bwrap
-            reaps it); bwrap itself only before the init is known (it would leave the init to the host's).
+            reaps it). Before the init is known, bwrap's process group: bwrap and the child it is setting
+            up, which would otherwise wait forever for its killed parent, holding the output pipe open
+            (bwrap's group is its own, and the child leaves it only once set up, after the info is sent).
             A call after the command ended does nothing: the watcher may act on a scan made before it
             forgot this sandbox, and the pidfds' numbers may by then belong to another command."""
             with ended:
@@ -299,7 +301,10 @@ class Sandbox:
                 if not killed:
                     killed.append(why)
                 try:
-                    signal.pidfd_send_signal(pidfds[-1], signal.SIGKILL)
+                    if len(pidfds) > 1:
+                        signal.pidfd_send_signal(pidfds[-1], signal.SIGKILL)
+                    else:  # bwrap is not reaped yet, so its pid (its group's id) is not reused
+                        os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
 
