@@ -24,6 +24,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,19 @@ sys.stdout.write("\\n{MARK}" + json.dumps(out) + "\\n")
 """
 
 
-@functools.lru_cache(maxsize=8)
+_FIRST_USE = threading.Lock()
+"""Held while the caches below are looked up: an actor's env threads reset their episodes at once,
+and without it each built its own Sandbox (a sweep, a check in a sandbox) and held-out set."""
+
+
 def shared_sandbox(cfg: SandboxConfig) -> Sandbox:
     """One `Sandbox` per configuration in a process (checked once, its leftovers swept once)."""
+    with _FIRST_USE:
+        return _sandbox(cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def _sandbox(cfg: SandboxConfig) -> Sandbox:
     return Sandbox(cfg)
 
 
@@ -74,8 +85,13 @@ def task_set(seed: int, n: int, knobs: Knobs = Knobs()) -> list[Task]:
     return distinct_tasks(lambda rng: make_task(rng, knobs), seed, n)
 
 
-@functools.lru_cache(maxsize=4)
 def _held_out(knobs: Knobs) -> frozenset[str]:
+    with _FIRST_USE:
+        return _held_out_keys(knobs)
+
+
+@functools.lru_cache(maxsize=4)
+def _held_out_keys(knobs: Knobs) -> frozenset[str]:
     return frozenset(t.key() for t in task_set(CODE64_SEED, 64, knobs))
 
 

@@ -31,17 +31,16 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from envs.sandbox_watch import NOBODY, Capped, watcher
+from envs.sandbox_watch import NOBODY, WORKDIR, Capped, watcher
 
 INNER_UID = 1000
 """The uid the command sees inside (a user namespace maps it to the host uid)."""
-WORKDIR = "/workspace"
-"""Where the episode's folder appears inside the sandbox (not /work: host paths there may be bound)."""
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "mime.types")
 """Host /etc entries bound read-only (no secrets: the loader's cache, Debian's command links)."""
 
@@ -281,21 +280,33 @@ class Sandbox:
                 self.command(folder, cmd, limits, info_w, binds), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, pass_fds=(info_w,), env={}, close_fds=True,
                 user=NOBODY if self.as_root else None, group=NOBODY if self.as_root else None,
-                extra_groups=[] if self.as_root else None)
+                extra_groups=[] if self.as_root else None, start_new_session=True)
         finally:
             os.close(info_w)
         pidfds = [os.pidfd_open(proc.pid)]  # bwrap, then the sandbox's init once it is known
         killed: list[str] = []
+        ended = threading.Lock()  # held while signalling, and by the close of the pidfds
+        closed = False
 
         def kill(why: str = "memory") -> None:
             """SIGKILL the sandbox's init (the kernel then kills the rest of its pid namespace, and bwrap
-            reaps it); bwrap itself only before the init is known (it would leave the init to the host's)."""
-            if not killed:
-                killed.append(why)
-            try:
-                signal.pidfd_send_signal(pidfds[-1], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            reaps it). Before the init is known, bwrap's process group: bwrap and the child it is setting
+            up, which would otherwise wait forever for its killed parent, holding the output pipe open
+            (bwrap's group is its own, and the child leaves it only once set up, after the info is sent).
+            A call after the command ended does nothing: the watcher may act on a scan made before it
+            forgot this sandbox, and the pidfds' numbers may by then belong to another command."""
+            with ended:
+                if closed:
+                    return
+                if not killed:
+                    killed.append(why)
+                try:
+                    if len(pidfds) > 1:
+                        signal.pidfd_send_signal(pidfds[-1], signal.SIGKILL)
+                    else:  # bwrap is not reaped yet, so its pid (its group's id) is not reused
+                        os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
         out = Capped(limits.output_bytes)
         ns, info = None, b""
@@ -334,8 +345,10 @@ class Sandbox:
                 proc.wait()
             proc.stdout.close()
             os.close(info_r)
-            for fd in pidfds:
-                os.close(fd)
+            with ended:
+                closed = True
+                for fd in pidfds:
+                    os.close(fd)
         return Result(proc.returncode, out.text(), timed_out=killed[:1] == ["timeout"],
                       out_of_memory=killed[:1] == ["memory"], output_cut=out.cut,
                       seconds=time.monotonic() - started)

@@ -9,6 +9,7 @@ shared between processes count once for each (an overestimate, on the safe side)
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -17,9 +18,12 @@ from collections.abc import Callable
 
 NOBODY = 65534
 """Host uid (and gid) the sandbox runs as when Tandem runs as root."""
+WORKDIR = "/workspace"
+"""Where the episode's folder appears inside the sandbox (not /work: host paths there may be bound)."""
 WATCH_S = 0.05
 """How often the watcher sums each sandbox's memory."""
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+log = logging.getLogger("tandem.sandbox")
 
 
 class Watcher:
@@ -51,7 +55,10 @@ class Watcher:
             for ns, rss in self._usage(watched).items():
                 budget, kill = watched[ns]
                 if rss > budget:
-                    kill()
+                    try:
+                        kill()
+                    except Exception:  # one sandbox's failure must not end the watch over all the others
+                        log.exception("sandbox watcher: killing pid namespace %d failed", ns)
             time.sleep(WATCH_S)
 
     def _usage(self, watched: dict) -> dict[int, int]:
@@ -71,18 +78,33 @@ class Watcher:
         return usage
 
 
-def sandboxed_pids() -> list[int]:
+def sandboxed_pids(root: str | os.PathLike | None = None) -> list[int]:
     """Host pids of processes running in sandboxes (in a pid namespace other than ours, as the
-    sandbox's host uid): empty whenever no command is running."""
+    sandbox's host uid): empty whenever no command is running. With `root`, only those whose work
+    folder is in that sandbox root (other jobs on the machine run sandboxes of their own)."""
     uid, ours, pids = NOBODY if os.geteuid() == 0 else os.geteuid(), os.readlink("/proc/self/ns/pid"), []
     for entry in os.scandir("/proc"):
         try:
             if (entry.name.isdigit() and entry.stat().st_uid == uid
-                    and os.readlink(f"/proc/{entry.name}/ns/pid") != ours):
+                    and os.readlink(f"/proc/{entry.name}/ns/pid") != ours
+                    and (root is None or _in_root(int(entry.name), os.path.basename(os.path.abspath(root))))):
                 pids.append(int(entry.name))
         except OSError:
             continue
     return pids
+
+
+def _in_root(pid: int, root_name: str) -> bool:
+    """Whether the process's work folder (what is bound at WORKDIR, as its mount table names it:
+    the path within its filesystem) is an episode folder in a sandbox root named `root_name`."""
+    with open(f"/proc/{pid}/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4] == WORKDIR:
+                folder = fields[3].rstrip("/")
+                return os.path.basename(os.path.dirname(folder)) == root_name and \
+                    os.path.basename(folder).startswith("ep-")
+    return False
 
 
 @functools.lru_cache(maxsize=1)

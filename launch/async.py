@@ -221,7 +221,8 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
         last_eval = version = checkpoints.published()
         latest = checkpoints.latest()
         board.step = int(checkpoints.meta(latest)["step"]) if latest is not None else 0
-    else:
+    else:  # the actors play meanwhile; the driver prints nothing else until it is done
+        board.note(f"evaluating v0: up to {cfg.eval_episodes} {cfg.env} episodes, greedy")
         board.eval(0, evaluator.evaluate())
         last_eval = version = 0
     last_print, newest, limited = 0.0, None, False
@@ -284,7 +285,8 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
                 board.eval(newest.version, evaluator.evaluate())
                 last_eval = newest.version
             if time.time() - last_print > 10:
-                board.progress(version)
+                stats = replay.snapshot()
+                board.progress(version, stats["received_groups"] if stats is not None else None)
                 last_print = time.time()
     finally:
         sub.close()

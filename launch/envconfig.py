@@ -208,8 +208,6 @@ class CodeConfig:
         from envs.codetasks import Knobs
 
         self.ro_binds = tuple(self.ro_binds)  # a list when read back from config.json
-
-        self.ro_binds = tuple(self.ro_binds)  # config.json holds it as a list
         try:
             Knobs(self.functions, self.files, self.bugs, self.hidden_counterexample)
         except ValueError as exc:

@@ -103,11 +103,18 @@ class Board:
         s = int(time.time() - self.t0)
         return f"{s // 60:02d}:{s % 60:02d}"
 
-    def progress(self, version: int) -> None:
+    def note(self, text: str) -> None:
+        """A line on stdout with the run's clock (what the driver is doing)."""
+        print(f"[{self._clock()}] {text}", flush=True)
+
+    def progress(self, version: int, groups_in: int | None = None) -> None:
+        """The progress line; `groups_in`, the groups replay has received so far, shows that
+        rollouts arrive before the first learner step (the other figures come with a step)."""
         g = self.last.get
         ev = f"{self.evals[-1][1]:.0%}@v{self.evals[-1][0]}" if self.evals else "-"
         at = f" (v{version})" if version != self.step else ""
-        print(f"[{self._clock()}] step {self.step}/{self.steps}{at} | eval {ev} | "
+        received = f" | groups in {groups_in}" if groups_in is not None else ""
+        print(f"[{self._clock()}] step {self.step}/{self.steps}{at} | eval {ev}{received} | "
               f"reward {g('rollout/reward_mean', 0):.2f} | traj/s {g('perf/trajectories_per_s', 0):.1f} | "
               f"staleness {g('async/staleness_mean', 0):.2f} | learner idle {g('perf/learner_idle_fraction', 0):.0%} | "
               f"loss {g('learner/loss', 0):+.4f}", flush=True)

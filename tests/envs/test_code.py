@@ -2,6 +2,7 @@
 score what they should on code-64 (real sandboxes, real processes)."""
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -54,7 +55,7 @@ def env(root):
     yield env
     env.close()
     assert [p.name for p in root.iterdir() if p.name.startswith("ep-")] == []
-    assert sandboxed_pids() == []
+    assert sandboxed_pids(root) == []
 
 
 def test_every_code64_task_is_valid():
@@ -91,6 +92,18 @@ def test_hang_bugs_are_caught_by_validation():
     digit_sum = next(f for f in FUNCTIONS if f.name == "digit_sum")
     hang = _load(digit_sum.source.replace("n //= 10", "n //= 1"))["digit_sum"]
     assert _run_traced(hang, [123]) == ("error", "TimeoutError")
+
+
+def test_environments_made_at_once_share_one_sandbox(root):
+    """An actor's env threads build their environments together: one Sandbox (one sweep, one check)."""
+    made: list = []
+    threads = [threading.Thread(target=lambda: made.append(make_env("code", sandbox_root=str(root))))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 8 and len({id(env.sandbox) for env in made}) == 1
 
 
 def test_reading_blocks():

@@ -31,7 +31,7 @@ def test_code_job_runs_end_to_end(tmp_path):
         assert "done: 2 steps" in run.stdout
         saved = Config.from_json((logdir / "config.json").read_text())
         assert (saved.env, saved.actor.max_new_tokens, saved.actor.max_tokens) == ("code", 256, 2048)
-        assert sandboxed_pids() == []
+        assert sandboxed_pids(root) == []
         assert [p.name for p in root.iterdir() if p.name.startswith("ep-")] == []
     finally:
         shutil.rmtree(root)

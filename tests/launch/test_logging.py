@@ -88,6 +88,17 @@ def test_the_board_writes_sample_text_to_tensorboard(tmp_path):
     assert event.step == 3 and "reward | text" in text and "a \\| b<br>c" in text
 
 
+def test_the_progress_line_shows_groups_reaching_replay_before_the_first_step(tmp_path, capsys):
+    board = Board(str(tmp_path), steps=2)
+    board.note("evaluating v0")
+    board.progress(0, groups_in=3)
+    board.progress(0)
+    board.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("] evaluating v0")
+    assert "step 0/2 | eval - | groups in 3 | reward" in lines[1] and "groups in" not in lines[2]
+
+
 def test_a_missing_logging_library_is_refused_at_start(monkeypatch):
     import importlib.util
 
