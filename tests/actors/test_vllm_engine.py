@@ -330,7 +330,7 @@ def test_shutdown_leaves_no_process_behind(engine, chat):
     engine.submit(("shutdown", 0), prompts_for(chat, 1)[0], SamplingParams(500, (), temperature=1.0))
     engine.close()  # with a request still running
     assert not [(p.pid, p.cmdline()) for p in procs if _alive(p)]
-    assert not engine._dir.exists()
+    assert not [d for d in (engine._files.fast, engine._files.slow) if d is not None and d.exists()]
 
 
 def _alive(proc) -> bool:
