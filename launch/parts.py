@@ -11,9 +11,8 @@ Devices: an actor asks Ray for `--actor.gpus` GPUs, a learner rank for
 its own: Ray sets CUDA_VISIBLE_DEVICES for a part with GPUs (its GPU is then
 cuda:0, whatever its rank), and a part without is given an empty one
 (`claim_devices`), since Ray 2.47+ leaves it unset and such a part would see
-every GPU of its node and put its work on cuda:0, beside another part's. The
-evaluator runs the policy where the actors do: in the driver on the CPU, as a
-part with an actor's resources (`EvalPart`) when the actors have GPUs.
+every GPU of its node and put its work on cuda:0, beside another part's. Where
+the evaluator runs the policy: launch/evaluators.py.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ def check_sees_images(cfg: Config, model_path: str) -> None:
 
 def learner_gpus(cfg: Config) -> float:
     """GPUs of one learner rank: --learner.gpus, or 1 with --learner.device cuda."""
-    return cfg.learner.gpus if cfg.learner.gpus > 0 else (1.0 if cfg.learner.device == "cuda" else 0.0)
+    return cfg.learner.num_gpus
 
 
 def replay_options(group) -> dict:
@@ -76,16 +75,18 @@ def learner_options(cfg: Config, group, rank: int) -> dict:
 
 
 def actor_options(cfg: Config) -> dict:
-    """Ray options of an actor, and of the evaluator when it runs as a part (`EvalPart`)."""
-    return {"num_cpus": 1, "num_gpus": cfg.actor.num_gpus, "max_concurrency": 2,
+    """Ray options of an actor, and of the evaluator when it runs as a part (launch/evaluators.py).
+    Three threads: `run`, and the driver's `stats`, `stop` and `evaluate` beside it."""
+    return {"num_cpus": 1, "num_gpus": cfg.actor.num_gpus, "max_concurrency": 3,
             "scheduling_strategy": "SPREAD" if cfg.actor.spread else "DEFAULT"}
 
 
 def gpu_demand(cfg: Config) -> list[tuple[str, int, float]]:
-    """(what, processes, GPUs each) the run asks Ray for, for `cluster.gpu_shortfall`. With
-    --colocate no actor process runs (each learner rank generates on its own devices), so only the
-    evaluator asks for --actor.gpus."""
-    evaluator = [("evaluator", 1, cfg.actor.num_gpus)] if cfg.actor.num_gpus > 0 else []
+    """(what, processes, GPUs each) the run asks Ray for, for `cluster.gpu_shortfall`. Actors on
+    GPUs lend their engines to the evaluation, which asks for nothing then (launch/evaluators.py);
+    with --colocate no actor process runs (each learner rank generates on its own devices), so
+    the evaluator asks for --actor.gpus."""
+    evaluator = [("evaluator", 1, cfg.actor.num_gpus)] if cfg.colocate and cfg.actor.num_gpus > 0 else []
     actors = [] if cfg.colocate else [("actors", cfg.actors, cfg.actor.num_gpus)]
     return [*actors, *evaluator, ("learner ranks", cfg.learners, learner_gpus(cfg))]
 
@@ -113,7 +114,7 @@ def claim_devices(gpus: float, flag: str) -> None:
             f"its driver (nvidia-smi), or run the part on the CPU with {flag} 0")
 
 
-def _threads(n: int) -> None:
+def set_threads(n: int) -> None:
     import torch
     from transformers.utils import logging
 
@@ -133,7 +134,7 @@ class ReplayPart:
 
         claim_devices(0, "")
 
-        buffer = cfg.replay.make_buffer(cfg.learner.groups_per_step, cfg.staleness_bound, cfg.learners,
+        buffer = cfg.replay.make_buffer(cfg.groups_per_step, cfg.staleness_bound, cfg.learners,
                                         cfg.replay_log_dir)
         bind, advertise = cluster.listen(cfg.listen_host)
         replay = dataclasses.replace(cfg.replay, port=port) if port else cfg.replay
@@ -167,7 +168,7 @@ class LearnerPart:
         claim_devices(learner_gpus(cfg), "--learner.gpus")
         if learner_gpus(cfg) > 0:
             os.environ["LOCAL_RANK"] = "0"  # the rank sees its own GPU alone, as cuda:0 (learner/trainer.py)
-        _threads(cfg.learner.threads)
+        set_threads(cfg.learner.threads)
         self.cfg, self.model_path, self.rank, self.replay_endpoint, self.key = cfg, model_path, rank, replay_endpoint, key
         self.learner = self.colocated = self.publisher = None
 
@@ -214,9 +215,9 @@ class LearnerPart:
         replay = ZmqActorReplay(self.replay_endpoint, actor=f"learner-{self.rank}", key=self.key,
                                 arena_bytes=cfg.replay.arena_mb << 20, host=cluster.host_key())
         kwargs = cfg.env_kwargs()
-        self.colocated = Colocated(self.learner, cfg.actor, cfg.chat(self.model_path),
+        self.colocated = Colocated(self.learner, cfg.rank_actor, cfg.chat(self.model_path),
                                    lambda: make_env(cfg.env, **kwargs), replay,
-                                   share=cfg.learner.groups_per_step // cfg.learners, seed=cfg.seed * 1000 + self.rank)
+                                   share=cfg.groups_per_step // cfg.learners, seed=cfg.seed * 1000 + self.rank)
         self.learner.before_step = self.colocated.generate
 
     def actor_stats(self) -> dict:
@@ -261,7 +262,7 @@ class ActorPart:
         from weights.subscriber import WeightSubscriber
 
         claim_devices(cfg.actor.num_gpus, "--actor.gpus")
-        _threads(cfg.actor.threads)
+        set_threads(cfg.actor.threads)
         name = f"actor-{index}"
         replay = ZmqActorReplay(replay_endpoint, actor=name, key=key, arena_bytes=cfg.replay.arena_mb << 20,
                                 host=cluster.host_key())
@@ -273,6 +274,31 @@ class ActorPart:
                            WeightSubscriber(weight_endpoints, key=key, host_key=cluster.host_key()),
                            seed=cfg.seed * 1000 + index)
         self._stop = threading.Event()
+        self.cfg, self.tasks = cfg, None
+
+    def evaluate(self, version: int, blob: bytes | None) -> tuple[int, dict[str, float]]:
+        """The run's evaluation on this actor's engine, between its groups (`Actor.lend`): greedy
+        over the fixed evaluation set, with the adapter `version` (safetensors bytes) unless the
+        engine holds a newer one. (The version evaluated, the scores.)"""
+        from types import SimpleNamespace
+
+        from actors.rollout import evaluate
+        from launch.monitor import eval_tasks
+
+        if self.tasks is None:
+            self.tasks = eval_tasks(self.cfg)
+        adapter = None
+        if blob is not None:
+            from safetensors.torch import load
+
+            adapter = SimpleNamespace(version=version, tensors=load(blob))
+        actor, cfg = self.actor, self.cfg.actor
+
+        def play(engine):
+            return engine.version, evaluate(engine, actor.chat, actor.make_env, self.tasks, cfg.max_new_tokens,
+                                            cfg.max_tokens)
+
+        return actor.lend(play, adapter)
 
     def run(self) -> None:
         try:
@@ -288,75 +314,3 @@ class ActorPart:
 
     def where(self) -> dict:
         return cluster.where()
-
-
-class EvalPart:
-    """The evaluator (launch/monitor.py) as a part, with an actor's resources: where the actors run
-    the policy on GPUs, so does the evaluation, not on the driver's cuda:0. Adapters arrive as
-    safetensors bytes."""
-
-    def __init__(self, cfg: Config, model_path: str) -> None:
-        from launch.monitor import Evaluator
-
-        claim_devices(cfg.actor.num_gpus, "--actor.gpus")
-        _threads(cfg.actor.threads)
-        self.evaluator = Evaluator(cfg, model_path)
-
-    def load(self, version: int, blob: bytes) -> None:
-        from safetensors.torch import load
-
-        self.evaluator.load(version, load(blob))
-
-    def version(self) -> int:
-        return self.evaluator.version
-
-    def evaluate(self) -> dict[str, float]:
-        return self.evaluator.evaluate()
-
-    def close(self) -> None:
-        self.evaluator.close()
-
-
-class RemoteEvaluator:
-    """The driver's handle on an `EvalPart`, with `Evaluator`'s methods."""
-
-    def __init__(self, cfg: Config, model_path: str) -> None:
-        import ray
-
-        self.part = ray.remote(EvalPart).options(**actor_options(cfg)).remote(cfg, model_path)
-
-    @property
-    def version(self) -> int:
-        import ray
-
-        return ray.get(self.part.version.remote())
-
-    def load(self, version: int, tensors: dict) -> None:
-        import ray
-        from safetensors.torch import save
-
-        ray.get(self.part.load.remote(version, save({k: v.contiguous() for k, v in tensors.items()})))
-
-    def evaluate(self) -> dict[str, float]:
-        import ray
-
-        return ray.get(self.part.evaluate.remote())
-
-    def close(self) -> None:
-        import ray
-
-        try:
-            ray.get(self.part.close.remote(), timeout=60)
-        except ray.exceptions.RayError:  # it failed already; the run reports why
-            pass
-        ray.kill(self.part)
-
-
-def make_evaluator(cfg: Config, model_path: str):
-    """The run's evaluator: in this (the driver's) process on the CPU, as an `EvalPart` when the
-    actors have GPUs."""
-    if cfg.actor.num_gpus > 0:
-        return RemoteEvaluator(cfg, model_path)
-    from launch.monitor import Evaluator
-
-    return Evaluator(cfg, model_path)

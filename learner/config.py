@@ -65,8 +65,13 @@ class LearnerConfig:
     """The schedule's last learning rate, as a fraction of --learner.lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    groups_per_step: int = 16
-    """Groups (tasks) per optimizer step, across all ranks (B)."""
+    groups_per_step: int = 0
+    """Groups (tasks) per optimizer step, across all ranks (B). 0 scales it from the GPUs given: 16
+    on the CPU; with actors on GPUs, enough that the staleness bound admits every actor's groups
+    in flight, ceil(--actors × groups-in-flight / (η + 1)) rounded up to a multiple of --learners,
+    at least 16 (4 actors on whole GPUs, G 8, η 1: 64); with --colocate and --learner.gpus g,
+    --learners × ceil(256·g / group_size) (8 ranks on whole GPUs, G 8: 256), which each rank plays
+    at once. A number given wins."""
     mini_batches: int = 1
     """Optimizer updates per batch (PPO's mini-batches); the policy version still advances once per
     batch. Above 1, π_old needs its own forward pass at the start of the step."""
@@ -151,14 +156,20 @@ class LearnerConfig:
     """Times the learner group is brought back from its newest checkpoint after a rank dies; past
     that the run stops with the --resume command that continues it."""
 
+    @property
+    def num_gpus(self) -> float:
+        """GPUs of one rank: --learner.gpus, or 1 with --learner.device cuda."""
+        return self.gpus if self.gpus > 0 else (1.0 if self.device == "cuda" else 0.0)
+
     def __post_init__(self) -> None:
         check_choices(self, "--learner.")
         if self.lr <= 0 or self.critic_lr <= 0:
             raise ValueError(f"--learner.lr and --learner.critic-lr must be positive, got {self.lr}, {self.critic_lr}")
         if not 0 <= self.lr_final <= 1:
             raise ValueError(f"--learner.lr-final is a fraction of --learner.lr in [0, 1], got {self.lr_final}")
-        if self.groups_per_step < 1:
-            raise ValueError(f"--learner.groups-per-step must be at least 1, got {self.groups_per_step}")
+        if self.groups_per_step < 0:
+            raise ValueError(f"--learner.groups-per-step must be 0 (scaled from the GPUs) or more, got "
+                             f"{self.groups_per_step}")
         if self.mini_batches < 1:
             raise ValueError(f"--learner.mini-batches must be at least 1, got {self.mini_batches}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):

@@ -201,3 +201,63 @@ def test_turns_are_seeded_except_with_vllm_on_a_gpu_unless_asked(tiny_model, cha
     finally:
         subscriber.close()
         publisher.close()
+
+
+def test_an_actor_lends_its_engine_between_its_groups_and_plays_on(tiny_model, chat):
+    """The run's evaluation borrows an actor's engine when actors have GPUs (launch/evaluators.py):
+    the loan runs in the actor's own thread once every group it started has been pushed, with the
+    adapter it carries, and scores what a fresh engine with that adapter scores; then the actor
+    plays on. An actor that has stopped lends nothing."""
+    from actors.rollout import evaluate
+
+    engine = TorchEngine(tiny_model, LORA)
+    buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
+    publisher = WeightPublisher()
+    subscriber = WeightSubscriber(publisher.endpoints)
+    actor = Actor(ActorConfig(group_size=2, groups_in_flight=2, max_new_tokens=4), "actor-0", engine, chat,
+                  lambda: make_env("maze", max_steps=6), LocalReplay(buffer, actor="actor-0"), subscriber)
+    counts = {"started": 0, "pushed": 0}
+    start_group, push = actor._start_group, actor._push
+
+    def started():
+        counts["started"] += 1
+        return start_group()
+
+    def pushed(g):
+        push(g)
+        counts["pushed"] += 1
+
+    actor._start_group, actor._push = started, pushed
+    env = make_env("maze")
+    tasks = env.eval_tasks(env.eval_seed, 4)
+    adapter = random_adapter(engine, version=3, seed=7)
+    seen = {}
+
+    def play(lent):
+        seen.update(thread=threading.current_thread(), counts=dict(counts))
+        return lent.version, evaluate(lent, chat, lambda: make_env("maze"), tasks, 4, 512)
+
+    stop = threading.Event()
+    thread = threading.Thread(target=actor.run, args=(stop,))
+    try:
+        publisher.publish(random_adapter(engine, version=0, scale=0.0))
+        thread.start()
+        deadline = time.time() + 120
+        while time.time() < deadline and counts["pushed"] < 2:  # it is playing
+            time.sleep(0.05)
+        version, borrowed = actor.lend(play, adapter, timeout=120)
+        after = counts["pushed"]
+        while time.time() < deadline and counts["pushed"] < after + 2:  # and it plays on
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(60)
+        subscriber.close()
+        publisher.close()
+    assert seen["thread"] is thread and seen["counts"]["started"] == seen["counts"]["pushed"] >= 2, seen
+    assert version == engine.version == 3 and counts["pushed"] >= after + 2
+    fresh = TorchEngine(tiny_model, LORA)
+    fresh.load_adapter(3, adapter.tensors)
+    assert borrowed == evaluate(fresh, chat, lambda: make_env("maze"), tasks, 4, 512)
+    with pytest.raises(RuntimeError, match="actor-0 has stopped: it has no engine to lend"):
+        actor.lend(play)

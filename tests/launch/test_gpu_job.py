@@ -108,14 +108,14 @@ def test_actors_given_gpus_torch_cannot_use_stop_the_job_at_start(gpu_head, tmp_
         pytest.skip("this torch sees a CUDA device: a part given a GPU can use it")
     run = job(gpu_head, tmp_path, "--actors", "2", "--learners", "1", "--actor.gpus", "0.5")
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
-    # an actor or the evaluator (a part with an actor's GPU share), whichever starts first
+    # an actor's constructor (the evaluation borrows an actor's engine: no part of its own)
     assert "this part asked for --actor.gpus 0.5 and Ray gave it GPU " in run.stderr, run.stderr[-3000:]
     assert "eval v0" not in run.stdout
 
 
 def test_more_gpus_than_the_cluster_has_stop_the_job_before_anything_is_placed(gpu_head, tmp_path):
-    run = job(gpu_head, tmp_path, "--actors", "3", "--learners", "1", "--actor.gpus", "1", "--learner.gpus", "1")
+    run = job(gpu_head, tmp_path, "--actors", "4", "--learners", "1", "--actor.gpus", "1", "--learner.gpus", "1")
     assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
-    assert ("error: the parts ask for 5 GPUs (actors 3 × 1 + evaluator 1 × 1 + learner ranks 1 × 1); "
+    assert ("error: the parts ask for 5 GPUs (actors 4 × 1 + learner ranks 1 × 1); "
             "the Ray cluster has 4.") in run.stderr, run.stderr[-3000:]
     assert "placement (" not in run.stdout

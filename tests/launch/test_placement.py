@@ -113,11 +113,11 @@ def test_a_part_built_outside_ray_keeps_the_devices_of_its_process(monkeypatch):
 
 def test_the_gpus_asked_for_are_counted_against_the_cluster():
     cfg = Config(actors=3, learners=2, actor=ActorConfig(gpus=0.5), learner=LearnerConfig(gpus=1))
-    demand = gpu_demand(cfg)  # the evaluator runs the policy where the actors do: one more share
-    assert demand == [("actors", 3, 0.5), ("evaluator", 1, 0.5), ("learner ranks", 2, 1.0)]
-    assert cluster.gpu_shortfall(demand, 4) is None
+    demand = gpu_demand(cfg)  # the evaluation borrows an actor's engine: no share of its own
+    assert demand == [("actors", 3, 0.5), ("learner ranks", 2, 1.0)]
+    assert cluster.gpu_shortfall(demand, 3.5) is None
     short = cluster.gpu_shortfall(demand, 3)
-    assert short.startswith("the parts ask for 4 GPUs (actors 3 × 0.5 + evaluator 1 × 0.5 + learner ranks 2 × 1)"
+    assert short.startswith("the parts ask for 3.5 GPUs (actors 3 × 0.5 + learner ranks 2 × 1)"
                             "; the Ray cluster has 3."), short
     assert cluster.gpu_shortfall(gpu_demand(Config()), 0) is None
 
@@ -161,13 +161,13 @@ def test_the_engine_runs_where_the_actor_has_its_device():
 
 
 def test_the_evaluator_as_a_part_scores_what_the_driver_s_would(ray_with_gpus, tiny_model):
-    """With GPUs the evaluator runs as an `EvalPart` beside the actors; here on the CPU, the same
+    """With --colocate and --actor.gpus the evaluator runs as an `EvalPart`; here on the CPU, the same
     greedy scores as the in-process one, before and after an adapter sent as safetensors bytes."""
     import torch
     from peft import get_peft_model_state_dict
 
     from launch.monitor import Evaluator
-    from launch.parts import RemoteEvaluator, make_evaluator
+    from launch.evaluators import RemoteEvaluator, make_evaluator
 
     cfg = Config(actors=1, learners=1, env="countdown", eval_episodes=4, actor=ActorConfig(max_new_tokens=6))
     here = make_evaluator(cfg, tiny_model)
@@ -208,3 +208,47 @@ def test_an_actor_whose_constructor_raises_stops_the_run_without_restarts(ray_wi
             fleet.check()
             time.sleep(0.2)
     assert fleet.restarts == [0]  # a restart would raise again
+
+
+@pytest.mark.slow  # an actor process with its engine (the loan itself: tests/actors/test_actor.py, fast)
+def test_the_evaluation_borrows_an_actor_s_engine_and_scores_what_the_driver_s_would(ray_with_gpus, tiny_model):
+    """Actors on GPUs lend their engines to the run's evaluation (launch/evaluators.py): a real
+    actor part (here on the CPU, beside a replay service and a weight publisher in this process)
+    scores what the driver's own evaluator scores, before and after an adapter sent with the call,
+    and reports the version it evaluated; asking for a share of its own is left to --colocate."""
+    import torch
+    from peft import get_peft_model_state_dict
+
+    from launch.evaluators import BorrowedEvaluator, make_evaluator
+    from launch.fleet import Fleet
+    from launch.monitor import Evaluator
+    from launch.parts import ActorPart, ReplayPart
+    from policy.adapter import Adapter
+    from weights.publisher import WeightPublisher
+
+    cfg = Config(actors=1, learners=1, env="countdown", eval_episodes=4, checkpoint_every=0,  # no replay log
+                 actor=ActorConfig(max_new_tokens=6))
+    gpus = Config(actors=1, learners=1, actor=ActorConfig(gpus=0.5))
+    assert isinstance(make_evaluator(gpus, tiny_model, fleet=None), BorrowedEvaluator)
+    here = Evaluator(cfg, tiny_model)
+    replay, publisher, fleet = ReplayPart(cfg, key=None), WeightPublisher(), None
+    try:
+        tensors = {k: torch.zeros(v.shape) for k, v in get_peft_model_state_dict(here.engine.model).items()}
+        publisher.publish(Adapter(0, "tiny", cfg.learner.lora.to_dict(), tensors))  # what a learner sends first
+        fleet = Fleet(lambda i: ray_with_gpus.remote(ActorPart).options(**actor_options(cfg)).remote(
+            cfg, tiny_model, i, replay.endpoint, publisher.endpoints, None), 1, restarts=0)
+        borrowed = BorrowedEvaluator(fleet)
+        assert borrowed.evaluate() == here.evaluate() and borrowed.version == 0
+        gen = torch.Generator().manual_seed(0)
+        tensors = {k: torch.randn(v.shape, generator=gen) * 0.5 for k, v in tensors.items()}
+        here.load(3, tensors)
+        borrowed.load(3, tensors)
+        assert borrowed.evaluate() == here.evaluate() and borrowed.version == 3
+        assert fleet.check() == []  # the actor plays on
+    finally:
+        if fleet is not None:
+            fleet.stop(timeout=120)
+            ray_with_gpus.kill(fleet.actors[0])
+        publisher.close()
+        replay.close()
+        here.close()
