@@ -146,6 +146,13 @@ class ActorConfig:
     activations, KV cache); lower it when other parts share the device. Its CUDA context (~1 GiB)
     lies outside it: engines sharing a GPU with --actor.gpus g need less than g; beside a
     colocated learner, what the rank leaves (the rank checks at start and before each wake)."""
+    sleep: Literal["auto", "offload", "keep"] = "auto"
+    """--colocate with vLLM on a GPU: what the engine does while its rank trains. "offload" (vLLM's
+    sleep level 1): its KV cache is freed and its base weights are copied to host RAM and back at
+    every step (seconds a step, host RAM the size of the weights); "keep": it keeps its weights
+    and KV cache on the GPU, which --actor.memory-fraction must leave room for beside the
+    learner's step peak; "auto": offload for the first step, then keep when the engine fits beside
+    that step's peak, with a twentieth of the GPU to spare (the run says which it chose)."""
     kv_cache_gb: float = 0.0
     """vLLM: KV-cache size in GiB, instead of what --actor.memory-fraction leaves (0 = that on a
     GPU, 1 GiB on vLLM's CPU build)."""
@@ -167,7 +174,7 @@ class ActorConfig:
 
     @property
     def num_gpus(self) -> float:
-        """GPUs each actor (and the evaluator, which runs its policy) asks Ray for."""
+        """GPUs each actor (and, with --colocate, the evaluator: launch/evaluators.py) asks Ray for."""
         return self.gpus if self.gpus > 0 else (1.0 if self.device == "cuda" else 0.0)
 
     @property

@@ -99,6 +99,19 @@ def check_wake(free: int, needed: int, held: int, total: int, fraction: float) -
         f"to {max(smaller, 0):g} or less (or set --actor.kv-cache-gb), or use more --learners")
 
 
+KEEP_MARGIN = 0.05
+"""Share of the GPU left free when a colocated engine stays awake beside the learner's step
+(allocator fragmentation, a longer batch than the one measured)."""
+
+
+def fits_awake(awake: int, peak: int, held: int, free: int, total: int, margin: float = KEEP_MARGIN) -> bool:
+    """Whether a colocated engine that holds `awake` bytes when awake can stay awake while the
+    learner trains (--actor.sleep auto): measured with the engine asleep and the learner's cache
+    emptied, the rank holds `held` bytes and `free` are free, and its last step peaked at `peak`
+    reserved bytes; the engine, the step's growth (peak − held) and `margin`·total must fit in `free`."""
+    return awake + max(peak - held, 0) + margin * total <= free
+
+
 def lock_path(visible: str | None, folder: str | None = None) -> str | None:
     """The lock file of the GPU a process sees first (CUDA_VISIBLE_DEVICES, an index or a UUID,
     as Ray sets it per part), shared by every process on the host; None when it is not set."""

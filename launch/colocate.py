@@ -62,7 +62,8 @@ class Colocated:
     the model) or vLLM (`--actor.engine vllm`), which holds its own copy of the base weights on
     the rank's device: it is given the current adapter before each generation and, on GPUs, sleeps
     while the learner trains (its KV cache dropped, its weights moved to CPU memory) and wakes,
-    its prefix cache emptied, for the next.
+    its prefix cache emptied, for the next; or, with --actor.sleep keep (auto: once the first step
+    shows it fits), stays awake beside the learner.
 
     Usage::
 
@@ -80,6 +81,9 @@ class Colocated:
             engine = _engine(learner, actor_cfg, seed)
         self.own_model = getattr(engine, "model", None) is learner.model
         self.fraction = actor_cfg.memory_fraction
+        self.sleep = actor_cfg.sleep
+        """--actor.sleep: "offload" or "keep" once "auto" has measured a step (`_decide`)."""
+        self.generations = 0
         self.chat = chat
         self.checked_sleep = False
         self.released = 0
@@ -114,6 +118,11 @@ class Colocated:
             self.actor.run(threading.Event(), max_groups=self.share)
         finally:
             self._sleep()
+            self.generations += 1
+            if learner.device.type == "cuda":
+                import torch
+
+                torch.cuda.reset_peak_memory_stats(learner.device)  # what the step takes, from here
 
     def _check_sleep(self) -> None:
         """Once, before the first generation of a sleeping engine: greedy tokens after a sleep and
@@ -131,8 +140,11 @@ class Colocated:
         self.checked_sleep = True
 
     def _sleep(self) -> None:
-        """Put the engine to sleep, measuring on a GPU what it releases (what its wake takes back)."""
+        """Put the engine to sleep, measuring on a GPU what it releases (what its wake takes back);
+        with --actor.sleep keep (or auto, once it chose to) the engine stays awake."""
         engine, device = self.actor.engine, self.learner.device
+        if self.sleep == "keep":
+            return
         if device.type != "cuda":
             engine.sleep()
             return
@@ -155,8 +167,24 @@ class Colocated:
 
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
-            check_wake(free, self.released, torch.cuda.memory_reserved(device), total, self.fraction)
+            held = torch.cuda.memory_reserved(device)
+            if self.sleep == "auto" and self.generations:  # a step has run since the last generation
+                self._decide(torch.cuda.max_memory_reserved(device), held, free, total)
+            check_wake(free, self.released, held, total, self.fraction)
         engine.wake()
+
+    def _decide(self, peak: int, held: int, free: int, total: int) -> None:
+        """--actor.sleep auto, after the first step: keep the engine awake from now on when it fits
+        beside the step's peak (actors/gpu_memory.py `fits_awake`), else go on offloading."""
+        from actors.gpu_memory import fits_awake, gib
+
+        self.sleep = "keep" if fits_awake(self.released, peak, held, free, total) else "offload"
+        how = ("keeps its weights and KV cache on the GPU from now on" if self.sleep == "keep" else
+               "goes on offloading its weights at every step (--actor.sleep keep needs a smaller "
+               "--actor.memory-fraction)")
+        print(f"learner-{self.learner.rank}: the colocated vLLM engine ({gib(self.released)} awake) {how}: the "
+              f"step peaked at {gib(peak)} of the GPU's {gib(total)}, {gib(free)} free with the engine asleep",
+              flush=True)
 
     def stats(self) -> dict:
         return self.actor.stats()
@@ -195,4 +223,4 @@ def _engine(learner, actor_cfg, seed: int):
         free, total = torch.cuda.mem_get_info(learner.device)
         check_start_beside(actor_cfg.memory_fraction, free, total, torch.cuda.memory_reserved(learner.device))
     return make_engine(actor_cfg.engine, learner.model_path, learner.cfg.lora, device=learner.device.type,
-                       seed=seed, sleep_mode=True, **actor_cfg.engine_options())
+                       seed=seed, sleep_mode=actor_cfg.sleep != "keep", **actor_cfg.engine_options())

@@ -38,8 +38,8 @@ class Config:
     its own devices, then trains on the batch; generation and training take turns, η is 0, and
     --actors is ignored (no actor processes run). The torch engine generates with the trainer's
     own weights (one copy of the model per rank); vLLM holds a second copy of the base weights,
-    and on GPUs sleeps while the rank trains (on GPUs, set --actor.memory-fraction to what the
-    learner leaves free)."""
+    and on GPUs sleeps while the rank trains or stays awake beside it (--actor.sleep; set
+    --actor.memory-fraction to what the learner leaves free)."""
     steps: int = 250
     """Optimizer-step budget: the run ends after this many learner steps."""
     max_minutes: float = 0.0
@@ -315,7 +315,7 @@ PROG = "python -m launch.async"
 RESUME_SAFE = ("actors", "steps", "max_minutes", "eval_every", "ray_address", "resume", "checkpoint_every",
                "keep_checkpoints", "actor.restarts", "actor.spread", "actor.threads", "learner.restarts",
                "learner.threads", "replay.restarts", "replay.port", "replay.host", "actor.gpus", "learner.gpus",
-               "log.wandb", "log.mlflow", "log.samples_every")
+               "actor.sleep", "log.wandb", "log.mlflow", "log.samples_every")
 """What flags given with --resume may change: how many actors, budgets, placement (the GPUs each
 part asks for too), restarts, threads and where the run logs. Anything else (the model, the algorithm, the batch, the
 environment) would make the rest of the run another experiment."""

@@ -7,7 +7,7 @@ import fcntl
 import pytest
 
 from actors.gpu_memory import (CONTEXT_BYTES, GIB, check_shared_fraction, check_start_beside, check_wake,
-                               largest_fraction, largest_shared_fraction, lock_path, one_at_a_time)
+                               fits_awake, largest_fraction, largest_shared_fraction, lock_path, one_at_a_time)
 
 
 def test_engines_sharing_a_gpu_leave_room_for_each_cuda_context():
@@ -50,6 +50,22 @@ def test_a_wake_that_does_not_fit_stops_with_what_to_lower():
     with pytest.raises(RuntimeError, match=r"needs 50.0 GiB to wake, but 42.0 GiB of the GPU's 80.0 GiB are free "
                                            r"while the learner rank holds 28.0 GiB.*to 0.49 or less"):
         check_wake(free=42 * GIB, needed=50 * GIB, held=28 * GIB, total=80 * GIB, fraction=0.6)
+
+
+def test_a_colocated_engine_stays_awake_only_where_it_fits_beside_the_learner_s_step():
+    """--actor.sleep auto (launch/colocate.py): after the first step, with the engine asleep and the
+    learner's cache emptied, the engine stays awake from then on when what it holds awake, the
+    step's growth over what the rank keeps and a twentieth of the GPU fit in what is free."""
+    total = 141 * GIB  # an H200
+    # 8 FSDP ranks of an 8B model: the rank keeps 6 GiB, its step peaks at 30 GiB, 134 GiB are free;
+    # the engine holds 60 GiB awake: 60 + 24 + 7.05 = 91.05 GiB fit
+    assert fits_awake(60 * GIB, peak=30 * GIB, held=6 * GIB, free=134 * GIB, total=total)
+    # one rank holding the whole model: 40 GiB kept, the step peaks at 90, 100 GiB are free: 60 + 50 + 7.05 do not
+    assert not fits_awake(60 * GIB, peak=90 * GIB, held=40 * GIB, free=100 * GIB, total=total)
+    # right at the edge: the margin decides (80 GiB GPU: 4 GiB margin)
+    assert fits_awake(30 * GIB, peak=20 * GIB, held=10 * GIB, free=44 * GIB, total=80 * GIB)
+    assert not fits_awake(30 * GIB, peak=20 * GIB, held=10 * GIB, free=44 * GIB - 1, total=80 * GIB)
+    assert fits_awake(30 * GIB, peak=5 * GIB, held=10 * GIB, free=34 * GIB, total=80 * GIB)  # no growth: no negative room
 
 
 def test_engines_on_one_gpu_take_its_lock_one_at_a_time(tmp_path):

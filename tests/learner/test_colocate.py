@@ -4,6 +4,7 @@ amounts of work), samples what a plain model with the same adapter samples, and 
 afterwards."""
 
 import numpy as np
+import pytest
 
 from replay.buffer import ReplayBuffer
 from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
@@ -144,3 +145,41 @@ def test_a_colocated_vision_language_rank_plays_the_image_maze_on_its_own_model(
         assert all(m["staleness_max"] == 0.0 and np.isfinite(m["loss"]) for m in r["metrics"])
         assert r["stats"].get("finish/env_error", 0) == 0, r["stats"]
     assert stats["received_groups"] == 8 and stats["queue_groups"] == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_colocated_vllm_engine_stays_awake_once_the_first_step_shows_it_fits(tiny_model):
+    """--actor.sleep auto (launch/colocate.py): the engine sleeps (level 1) around the first step,
+    which measures the learner's peak; the tiny model's engine at 0.3 of the GPU fits beside it, so
+    from the second step on it keeps its weights and KV cache on the GPU and sleeps no more."""
+    pytest.importorskip("vllm")
+    from actors.actor import ActorConfig
+    from envs import make_env
+    from launch.colocate import Colocated
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+    from policy.load import load_chat
+    from tests.learner.test_fsdp import _port
+
+    server = ReplayServer(ReplayBuffer(groups_per_step=2, max_staleness=0), "tcp://127.0.0.1:*")
+    endpoint = server.start()
+    learner = Learner(LearnerConfig(lr=1e-2, groups_per_step=2, device="cuda"), tiny_model, 0, 1,
+                      f"tcp://127.0.0.1:{_port()}", ZmqLearnerReplay(endpoint), temperature=0.7)
+    colocated = None
+    try:
+        learner.setup()
+        cfg = ActorConfig(engine="vllm", group_size=2, groups_in_flight=2, max_new_tokens=4, memory_fraction=0.3,
+                          enforce_eager=True)
+        colocated = Colocated(learner, cfg, load_chat(tiny_model), lambda: make_env("maze", max_steps=3),
+                              ZmqActorReplay(endpoint, actor="learner-0"), share=2)
+        learner.before_step = colocated.generate
+        learner.run(3)
+        engine = colocated.actor.engine
+        sleeps, asleep = engine.stats["sleeps"], engine.asleep
+    finally:
+        if colocated is not None:
+            colocated.close()
+        learner.close()
+        server.stop()
+    assert colocated.sleep == "keep" and colocated.released > 0
+    assert sleeps == 2 and not asleep  # the wake check's sleep and the first step's; none after
