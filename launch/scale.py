@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from actors.actor import CPU_GROUPS_IN_FLIGHT, SEQUENCES_PER_GPU, ActorConfig, scaled_env_threads
+from actors.actor import ActorConfig
+from actors.concurrency import CPU_GROUPS_IN_FLIGHT, SEQUENCES_PER_GPU, scaled_env_threads
 
 CPU_GROUPS_PER_STEP = 16
 """--learner.groups-per-step on the CPU (and the least with GPUs)."""
