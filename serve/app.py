@@ -101,8 +101,11 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
     @app.get("/api/v1/healthz")
-    async def healthz():
-        return {"status": "ok"}
+    async def healthz():  # with what the service holds: finished sessions' clients are freed
+        live = sum(s["finished"] is None for s in list(service.sessions.values()))
+        return {"status": "ok", "live_sessions": live, "training_clients": len(service.models),
+                "adapters": len(service.trainer.specs), "optimizers": len(service.trainer.optimizers),
+                "sampling_sessions": len(service.samplers)}
 
     @app.post("/api/v1/get_server_capabilities")
     @app.get("/api/v1/get_server_capabilities")
@@ -132,17 +135,15 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
         body = await read_json(request)
-        session = service.session(session_id)
-        if session["finished"] is None:  # first reason wins
-            reason = body.get("reason")
-            session["finished"] = reason.get("type", "success") if isinstance(reason, dict) else "success"
+        reason = body.get("reason")
+        service.finish_session(session_id, reason.get("type", "success") if isinstance(reason, dict) else "success")
         return Response(status_code=200)
 
     # -- training ------------------------------------------------------------------
     @app.post("/api/v1/create_model")
     async def create_model(request: Request):
         req = await parse(request, types.CreateModelRequest)
-        service.session(req.session_id)
+        service.live(req.session_id)
         service.check_base(req.base_model)
         if getattr(req.optimizer_config, "type", "adamw") != "adamw":
             raise UserError(f"optimizer {req.optimizer_config.type!r}: this service trains with adamw only")
@@ -237,7 +238,7 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
             return future(service.submit_ordered(req.model_id, req.seq_id, job), model_id=req.model_id)
         if req.session_id is None or req.model_seq_id is None:
             raise UserError("load_weights needs model_id and seq_id, or session_id and model_seq_id")
-        service.session(req.session_id)
+        service.live(req.session_id)
         service.check_base(req.base_model)
         job = service.create_model_from_state_job(req.session_id, req.model_seq_id, req.path, req.optimizer)
         return future(service.submit(job, key=("create", req.session_id, req.model_seq_id)))
@@ -246,7 +247,7 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request):
         req = await parse(request, types.CreateSamplingSessionRequest)
-        service.session(req.session_id)
+        service.live(req.session_id)
         if req.model_path is None:
             service.check_base(req.base_model)
             if req.base_model is None:

@@ -7,8 +7,14 @@ model's `seq_id` (the SDK numbers them 1, 2, ...; the chunks of one forward_back
 consecutive ids and arrive in parallel). A request is held until every lower id of its model has
 been queued, then queued itself, so a model's requests run in `seq_id` order whatever order they
 arrive in; a request whose (model, seq_id) was seen before gets the first one's future back, so a
-retried request is not applied twice. Every model and sampling call runs on one worker thread,
-in queue order.
+retried request is not applied twice. A missing seq_id is waited for at most `seq_wait_s`: then
+the requests held behind it fail with an error naming it, and the model goes on from the next id.
+Every model and sampling call runs on one worker thread, in queue order.
+
+A session ends at `sessions/{id}/finish` or when neither a heartbeat nor a request of its models
+has come for `session_timeout_s`; its training clients' adapters and optimizer state and its
+sampling sessions' weights are then freed (after the requests already queued), and later calls
+on them are refused, so a long-running service does not accumulate dead clients.
 
 A future's result is the response body: protobuf bytes (forward_backward, sample) or a JSON
 object; a failure is the API's error body {"error", "category"} ("user" for the caller's
@@ -55,6 +61,12 @@ class Model:
     """Requests waiting for a lower seq_id, by seq_id."""
     seen: dict[int, str] = field(default_factory=dict)
     """seq_id -> request id, of every request accepted."""
+    blocked_since: float | None = None
+    """When a request began waiting for the missing `next_seq` (None: nothing held)."""
+
+    @property
+    def session(self) -> str:
+        return self.model_id.rsplit(":train:", 1)[0]
 
 
 @dataclass
@@ -89,7 +101,8 @@ class Service:
         service.close()
     """
 
-    def __init__(self, model_path: str, model_name: str, logdir: Path, threads: int = 0) -> None:
+    def __init__(self, model_path: str, model_name: str, logdir: Path, threads: int = 0,
+                 session_timeout_s: float = 600.0, seq_wait_s: float = 300.0) -> None:
         from serve.sampler import Sampler
         from serve.trainer import Trainer
 
@@ -108,6 +121,12 @@ class Service:
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
         self._worker.start()
+        if session_timeout_s <= 0 or seq_wait_s <= 0:
+            raise ValueError("session_timeout_s and seq_wait_s must be positive")
+        self.session_timeout_s, self.seq_wait_s = session_timeout_s, seq_wait_s
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="tinker-reaper", daemon=True)
+        self._reaper.start()
 
     # -- names -------------------------------------------------------------------
     def names(self) -> set[str]:
@@ -161,9 +180,8 @@ class Service:
     def submit_ordered(self, model_id: str, seq_id: int, job: Callable) -> str:
         """Queue `job` as request `seq_id` of `model_id`, after every lower one; the request id."""
         with self._lock:
-            model = self.models.get(model_id)
-            if model is None:
-                raise UserError(f"no model {model_id!r} on this service")
+            model = self.model(model_id)
+            self.sessions[model.session]["heartbeat"] = time.time()  # a client at work is alive
             if seq_id in model.seen:
                 return model.seen[seq_id]
             if seq_id < model.next_seq:
@@ -171,10 +189,34 @@ class Service:
             rid, future = self._new_future()
             model.seen[seq_id] = rid
             model.held[seq_id] = (future, job)
-            while model.next_seq in model.held:
-                self._queue.put(model.held.pop(model.next_seq))
-                model.next_seq += 1
+            self._release(model)
             return rid
+
+    def _release(self, model: Model) -> None:
+        """Queue the model's held requests from `next_seq` on, as far as they are consecutive."""
+        advanced = False
+        while model.next_seq in model.held:
+            self._queue.put(model.held.pop(model.next_seq))
+            model.next_seq += 1
+            advanced = True
+        if not model.held:
+            model.blocked_since = None
+        elif advanced or model.blocked_since is None:  # a new gap: its wait starts now
+            model.blocked_since = time.time()
+
+    def _skip_gap(self, model: Model, now: float) -> None:
+        """Fail the requests held behind the missing `next_seq` (the SDK's error form, naming it);
+        the model goes on from the id after the last of them. Under the lock."""
+        missing = model.next_seq
+        waited = now - (model.blocked_since or now)
+        held = sorted(model.held)
+        message = (f"seq_id {missing} of model {model.model_id} never arrived (waited {waited:.0f} s, the "
+                   f"service's --seq-wait-s is {self.seq_wait_s:g}); requests {held} after it are refused")
+        log.warning(message)
+        for seq in held:
+            future, _ = model.held.pop(seq)
+            future.set_result({"error": message, "category": "user"})
+        model.next_seq, model.blocked_since = held[-1] + 1, None
 
     # -- sessions ----------------------------------------------------------------
     def create_session(self, metadata: dict | None = None) -> str:
@@ -189,6 +231,61 @@ class Service:
             raise UserError(f"no session {sid!r} on this service")
         return s
 
+    def live(self, sid: str) -> dict:
+        """The session, refused (UserError) once it has finished."""
+        s = self.session(sid)
+        if s["finished"] is not None:
+            raise UserError(f"session {sid} has finished ({s['finished']}); start a new ServiceClient")
+        return s
+
+    def finish_session(self, sid: str, reason: str) -> None:
+        """End the session (the first reason stays) and free its clients once the requests
+        already queued have run."""
+        with self._lock:
+            s = self.session(sid)
+            if s["finished"] is not None:
+                return
+            s["finished"] = reason
+            self._queue.put((Future(), lambda: self._free(sid)))
+
+    def _free(self, sid: str) -> dict:
+        """(worker) Drop the finished session's training clients, held requests and sampling sessions."""
+        reason = f"its session {sid} has finished ({self.sessions[sid]['finished']})"
+        with self._lock:
+            models = [self.models.pop(k) for k in list(self.models) if self.models[k].session == sid]
+            for m in models:
+                for seq in sorted(m.held):
+                    m.held.pop(seq)[0].set_result({"error": f"model {m.model_id}: {reason}", "category": "user"})
+            for k in [k for k in self.samplers if k.rsplit(":sample:", 1)[0] == sid]:
+                del self.samplers[k]
+        for m in models:
+            self.trainer.delete(m.adapter)
+        if models:
+            log.info("freed %d training client(s): %s", len(models), reason)
+        return {"freed": [m.model_id for m in models]}
+
+    def reap(self, now: float | None = None) -> None:
+        """Finish the sessions silent for `session_timeout_s` and fail the requests waiting longer
+        than `seq_wait_s` for a missing seq_id (run every few seconds by the reaper thread)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            for m in self.models.values():
+                if m.held and m.blocked_since is not None and now - m.blocked_since > self.seq_wait_s:
+                    self._skip_gap(m, now)
+            silent = [sid for sid, s in self.sessions.items()
+                      if s["finished"] is None and now - s["heartbeat"] > self.session_timeout_s]
+        for sid in silent:
+            log.warning("session %s sent nothing for %.0f s: finishing it", sid, self.session_timeout_s)
+            self.finish_session(sid, "heartbeat timeout")
+
+    def _reap_loop(self) -> None:
+        period = min(5.0, self.seq_wait_s / 4, self.session_timeout_s / 4)
+        while not self._stop.wait(period):
+            try:
+                self.reap()
+            except Exception:  # noqa: BLE001 - the reaper must outlive a bad state; it is logged
+                log.exception("reaping failed")
+
     # -- models ------------------------------------------------------------------
     def create_model_job(self, sid: str, model_seq_id: int, lora: LoraChoice) -> Callable:
         model_id = f"{sid}:train:{model_seq_id}"
@@ -196,14 +293,18 @@ class Service:
 
         def job():
             self.trainer.create(adapter, lora)
-            self.models[model_id] = Model(model_id, adapter, lora)
+            with self._lock:
+                self.models[model_id] = Model(model_id, adapter, lora)
             return {"model_id": model_id, "type": "create_model"}
         return job
 
     def model(self, model_id: str) -> Model:
         m = self.models.get(model_id)
+        s = self.sessions.get(model_id.rsplit(":train:", 1)[0])
+        if s is not None and s["finished"] is not None:
+            raise UserError(f"model {model_id} was freed: its session has finished ({s['finished']})")
         if m is None:
-            raise UserError(f"no model {model_id!r} on this service")
+            raise UserError(f"no model {model_id!r} on this service (a finished session's models are freed)")
         return m
 
     def info(self, model_id: str) -> dict:
@@ -246,7 +347,8 @@ class Service:
             if not (directory / "tinker.json").is_file():
                 raise UserError(f"no checkpoint at {path}")
             self.trainer.load(adapter, directory, optimizer)
-            self.models[model_id] = Model(model_id, adapter, self.trainer.choices[adapter])
+            with self._lock:
+                self.models[model_id] = Model(model_id, adapter, self.trainer.choices[adapter])
             return {"type": "load_weights", "path": path, "model_id": model_id}
         return job
 
@@ -276,6 +378,7 @@ class Service:
         return sampler_id
 
     def close(self) -> None:
+        self._stop.set()
         self._queue.put(None)
         self._worker.join(timeout=60)
         self.sampler.close()

@@ -130,6 +130,18 @@ class Trainer:
                                                   weight_decay=0.0)
         self.steps[name] = 0
 
+    def delete(self, name: str) -> None:
+        """Free adapter `name`: its LoRA layers, optimizer state and step count (a finished session's)."""
+        import warnings
+
+        if name not in self.specs:
+            return
+        with warnings.catch_warnings():  # "adapter ... was active ...": each call activates its own anyway
+            warnings.simplefilter("ignore", UserWarning)
+            self.peft.delete_adapter(name)
+        for table in (self.specs, self.choices, self.optimizers, self.steps):
+            table.pop(name, None)
+
     def _params(self, name: str) -> list[torch.nn.Parameter]:
         marker = f".{name}."
         params = [p for n, p in sorted(self.peft.named_parameters()) if marker in n]
