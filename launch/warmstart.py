@@ -31,9 +31,8 @@ Design decisions:
   barely learns where the walls are (docs/vision.md). So the image maze's warm start begins with
   a perception stage: one picture of a training maze partway through a random walk, the user
   text `look`, and as the reply the text maze's goal / open / new lines for that state (what the
-  picture shows, in words), first alone, then inside an episode where the policy reads the
-  newest of its pictures, until greedy replies are exactly right on `perception_target` (then
-  `episode_perception_target`) of a validation set of pictures. The demonstrations follow, and stop in the same 35-55% band.
+  picture shows, in words), until greedy replies are exactly right on `perception_target` of a
+  validation set of pictures. The demonstrations follow, and stop in the same 35-55% band.
 - Deterministic given `seed`: one torch seed, one seed range of mazes.
 """
 
@@ -91,16 +90,12 @@ class WarmstartConfig:
     first direction word of a reply, and a reply with a stray prefix (`goal: left`) is a move
     at 8 tokens and is cut before its direction at 4 (docs/vision.md)."""
     perception_target: float = 0.9
-    """Image maze: the perception stage's exercises of single pictures end once greedy replies to
-    `look` are exactly right on this share of its validation pictures (0 = no perception stage)."""
-    episode_perception_target: float = 0.97
-    """Image maze: the same for the exercises inside episodes, where the policy reads the newest
-    picture as it acts; its reading there is what GRPO, with the vision tower frozen, builds on
-    (at 0.9 the run from the warm start stayed at 75-83%: docs/vision.md)."""
+    """Image maze: each part of the perception stage ends once greedy replies to `look` are
+    exactly right on this share of its validation pictures (0 = no perception stage)."""
     perception_max_steps: int = 4000
     """Image maze: the perception stage's exercises of single pictures end after this many steps
     whatever their score."""
-    episode_perception_max_steps: int = 1200
+    episode_perception_max_steps: int = 500
     """Image maze: the perception stage's exercises inside episodes, which follow those of single
     pictures, end after this many steps whatever their score."""
     perception_val_size: int = 256
@@ -245,13 +240,11 @@ def perceive(model, opt, env, chat, cfg: WarmstartConfig, first_seed: int,
              log: Callable[[str], None] = print) -> float:
     """The perception stage: `description` exercises of single pictures until greedy replies are
     exactly right on `cfg.perception_target` of the validation pictures (at most
-    `cfg.perception_max_steps` steps), then the same inside episodes to
-    `cfg.episode_perception_target` (at most `cfg.episode_perception_max_steps`); returns the last share."""
+    `cfg.perception_max_steps` steps), then the same inside episodes (at most
+    `cfg.episode_perception_max_steps`); returns the last share."""
     pad, scheme = chat.tokenizer.pad_token_id, chat.scheme
     start, seed, score = time.time(), first_seed, 0.0
-    parts = ((False, cfg.perception_target, cfg.perception_max_steps),
-             (True, cfg.episode_perception_target, cfg.episode_perception_max_steps))
-    for in_episode, target, budget in parts:
+    for in_episode, budget in ((False, cfg.perception_max_steps), (True, cfg.episode_perception_max_steps)):
         val = [description(env, chat, LOOK_VAL_SEED + i, in_episode) for i in range(cfg.perception_val_size)]
         where = "in episodes" if in_episode else "single pictures"
         for step in range(1, budget + 1):
@@ -264,7 +257,7 @@ def perceive(model, opt, env, chat, cfg: WarmstartConfig, first_seed: int,
             score = exact_replies(model, val, pad, scheme)
             log(f"warm start: perception ({where}) step {step} loss {loss:.3f} replies exactly right "
                 f"{score:.1%} ({time.time() - start:.0f}s)")
-            if score >= target:
+            if score >= cfg.perception_target:
                 break
     return score
 

@@ -99,8 +99,7 @@ def test_the_perception_stage_stops_at_its_target_or_its_step_budget(tiny_vlm, v
     model = load_model(tiny_vlm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = WarmstartConfig(batch=2, perception_max_steps=budget, episode_perception_max_steps=budget,
-                          perception_val_size=4, perception_target=target,
-                          episode_perception_target=target)
+                          perception_val_size=4, perception_target=target)
     lines: list[str] = []
     score = perceive(model, opt, ImageMazeEnv(), vlm_chat, cfg, first_seed=0, log=lines.append)
     assert 0.0 <= score <= 1.0
