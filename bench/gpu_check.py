@@ -16,6 +16,13 @@ Three checks on one CUDA device, no network, no Ray, each in a fresh process of 
               same tokens (bench/parity.py: built-in model, random adapter): max |log μ − log π|
               and the mismatch KL.
 
+  image       the image path: the torch engine plays image-maze episodes of the built-in tiny
+              vision-language model (`builtin:tiny-vlm`, Idefics3's shape) in the learner's dtype,
+              and a world-1 learner scores exactly those tokens and pictures (max |log μ − log π|,
+              the mismatch KL, and the same with grey pictures, which must differ), then trains
+              one GRPO step on them, their rewards set to 1, 0, 1, 0 (its loss and that the
+              adapter changed).
+
   colocated, parity_vllm, two_engines
               vLLM on the GPU (bench/gpu_vllm.py): a colocated learner and sleeping engine over
               three cycles (room before each wake, greedy tokens equal across a sleep), vLLM's
@@ -43,7 +50,7 @@ import time
 from bench import sig
 
 VLLM_CHECKS = ("colocated", "parity_vllm", "two_engines")
-CHECKS = ("step_0.5b", "8b", "8b_ac", "parity", *VLLM_CHECKS)
+CHECKS = ("step_0.5b", "8b", "8b_ac", "parity", "image", *VLLM_CHECKS)
 
 SHAPES = {
     "0.5b": dict(kind="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -162,6 +169,74 @@ def parity(device: str, prompts: int) -> dict:
     return out
 
 
+def image(device: str, groups: int) -> dict:
+    """The `image` check (module docstring): engine and learner on `device`, both in bf16 on CUDA."""
+    import numpy as np
+    import torch
+
+    from actors.engine import SamplingParams
+    from actors.engines import make_engine
+    from actors.envrunner import EnvRunner
+    from actors.rollout import close, play, start
+    from bench.model_step import world1_learner
+    from envs import make_env
+    from learner.batch import collate
+    from learner.config import LearnerConfig
+    from learner.losses import mismatch_kl
+    from policy.load import LoraSpec, load_chat, resolve_model
+    from replay.wire import Group
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    model_path, lora, temperature = resolve_model("builtin:tiny-vlm"), LoraSpec(), 0.7
+    chat, runner = load_chat(model_path), EnvRunner(threads=4)
+    engine = make_engine("torch", model_path, lora, device=device, dtype=dtype, seed=1)
+    try:
+        played = []
+        for g in range(groups):
+            episodes = [start(make_env("image-maze", max_steps=4), chat, runner, seed=100 + g, sampling_seed=4 * g + j)
+                        for j in range(4)]
+            play(engine, chat, episodes, SamplingParams(8, chat.stop_ids, temperature=temperature), 2048, runner)
+            for e in episodes:
+                close(e)
+            trajs = [e.trajectory() for e in episodes]
+            for i, t in enumerate(trajs):  # rewards 1, 0, 1, 0 whatever the random model did: every row trains
+                t.reward = float((i + 1) % 2)
+            played.append(Group(f"g{g}", f"seed={100 + g}", trajs, actor="gpu-check"))
+    finally:
+        runner.close()
+        engine.close()
+    cfg = LearnerConfig(groups_per_step=groups, device=device, dtype=dtype, lr_schedule="constant", lr=1e-2)
+    learner, replay = world1_learner(cfg, None, model_path, temperature=temperature)
+    try:
+        learner.setup()
+        batch = collate(played, 0, learner.pad_id)
+        rows = list(range(len(batch.tokens)))
+        tokens, attention, pixels, width = learner._inputs(batch, rows)
+        mask = batch.mask[:, :width].bool().to(tokens.device)
+        behaviour = batch.behaviour[:, :width].to(tokens.device)
+        with torch.no_grad():
+            logp = learner._policy_terms(tokens, attention, pixels)[0].float()
+            grey = learner.scheme.pixels([[np.full_like(img, 128) for img in row] for row in batch.images],
+                                         learner.device)
+            blind = learner._policy_terms(tokens, attention, {**pixels, **grey})[0].float()
+        before = {k: v.clone() for k, v in learner.adapter_tensors().items()}
+        for group in played:
+            replay.push(group)
+        metrics = learner.step()
+        after = learner.adapter_tensors()
+    finally:
+        learner.close()
+        learner.publisher.close()
+    loss = float(metrics["loss"])
+    if loss != loss or abs(loss) == float("inf"):
+        raise RuntimeError(f"the image step's loss is {loss}")
+    return {"tokens": int(mask.sum()), "images": sum(len(row) for row in batch.images),
+            "max_abs": sig(float((logp - behaviour)[mask].abs().max())),
+            "kl": sig(mismatch_kl(logp, behaviour, mask.float())),
+            "grey_max_abs": sig(float((blind - behaviour)[mask].abs().max())), "loss": loss,
+            "adapter_changed": any(not torch.equal(before[k], after[k]) for k in before)}
+
+
 def child(args: argparse.Namespace) -> dict:
     """One check in this (fresh) process."""
     import torch
@@ -177,6 +252,8 @@ def child(args: argparse.Namespace) -> dict:
                              checkpointing=args.child == "8b_ac", name="qwen3-8b")
     if args.child == "parity":
         return parity(args.device, 4 if args.tiny else args.prompts)
+    if args.child == "image":
+        return image(args.device, 2 if args.tiny else 4)
     from bench import gpu_vllm
 
     if gpu_vllm.skipped(args.device):

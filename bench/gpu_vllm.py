@@ -26,7 +26,14 @@ GIB = 1 << 30
 
 
 def skipped(device: str) -> dict | None:
-    return None if device == "cuda" else {"skipped": "needs CUDA (vLLM's sleep mode and GPU memory)"}
+    """Why the vLLM checks cannot run here (None when they can): they need CUDA and vLLM's CUDA build."""
+    import importlib.util
+
+    if device != "cuda":
+        return {"skipped": "needs CUDA (vLLM's sleep mode and GPU memory)"}
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vLLM is not installed: pip install -e '.[vllm]'"}
+    return None
 
 
 def colocated(rows: int, tokens: int, cycles: int = 3, fraction: float = 0.3) -> dict:

@@ -90,10 +90,11 @@ def synthetic_group(vocab: int, rows: int, tokens: int, seed: int, actor: str = 
     return Group(uuid.uuid4().hex, f"{actor}-{seed}", trajs, actor=actor)
 
 
-def world1_learner(cfg, base_config, name: str):
+def world1_learner(cfg, base_config, name: str, temperature: float = 1.0):
     """A world-1 `Learner` (gloo or NCCL by `cfg.device`) on a randomly initialised model of
-    `base_config`, fed by an in-process replay: (learner, replay), the learner not set up yet.
-    Push a group to the replay before each `learner.step()`."""
+    `base_config` (or, with None, the model saved at `name`), fed by an in-process replay:
+    (learner, replay), the learner not set up yet. Push a group to the replay before each
+    `learner.step()`."""
     import socket
 
     import torch
@@ -109,7 +110,8 @@ def world1_learner(cfg, base_config, name: str):
         url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     torch.manual_seed(0)
     # A real publisher, as rank 0 of a run has: a step's figures include publishing (bench closes it).
-    return Learner(cfg, name, 0, 1, url, replay, base_config=base_config, publisher=WeightPublisher()), replay
+    return Learner(cfg, name, 0, 1, url, replay, temperature=temperature, base_config=base_config,
+                   publisher=WeightPublisher()), replay
 
 
 def _status_mb(key: str) -> float:

@@ -1,6 +1,7 @@
 """`python -m bench.gpu_check` as a user runs it: at once without a GPU, on tiny shapes on the CPU
 (the same code path, gloo instead of NCCL), and in full where there is a GPU."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -43,6 +44,9 @@ def test_the_checks_run_on_tiny_shapes_on_the_cpu():
     assert result["8b"]["loss"] != 0.0
     for check in ("colocated", "parity_vllm", "two_engines"):  # vLLM's sleep mode and GPU memory: CUDA only
         assert result[check] == {"skipped": "needs CUDA (vLLM's sleep mode and GPU memory)"}, check
+    image = result["image"]  # the engine's image episodes score as sampled, grey pictures do not; a step trains
+    assert image["images"] > 0 and image["tokens"] > 0 and image["max_abs"] < 1e-4 and image["grey_max_abs"] > 1e-3
+    assert image["adapter_changed"] and math.isfinite(image["loss"])
     parity = result["parity"]
     assert parity["tokens"] > 0 and parity["torch_fp32_max_abs"] < 1e-3
     assert 0 <= parity["torch_bf16_kl"] < 0.1 and parity["torch_bf16_max_abs"] < 1.0
@@ -66,6 +70,11 @@ def test_the_gpu_check_passes_on_a_gpu():
     assert 14 < plain["setup_gb"] < 20  # bf16 base weights (15.3 GiB) and fp32 LoRA: no fp32 copy of the base
     assert ac["peak_gb"] < plain["peak_gb"]  # activation checkpointing saves memory
     assert result["parity"]["torch_fp32_max_abs"] < 1e-2 and result["parity"]["torch_bf16_kl"] < 0.05
+    image = result["image"]  # the image path in bf16 on the GPU
+    assert image["kl"] < 0.05 and image["grey_max_abs"] > image["max_abs"] and image["adapter_changed"]
+    if importlib.util.find_spec("vllm") is None:
+        assert result["colocated"] == {"skipped": "vLLM is not installed: pip install -e '.[vllm]'"}
+        return
     colocated = result["colocated"]  # three wakes beside a training rank, greedy tokens equal across sleeps
     assert len(colocated["cycles"]) == 3 and colocated["greedy_equal_across_sleeps"]
     assert all(c["released_at_sleep_gb"] > 0 for c in colocated["cycles"])
