@@ -44,15 +44,18 @@ class TinkerArgs:
     finished and its training clients' adapters and optimizer state freed."""
     seq_wait_s: float = 300.0
     """How long a request waits for a model's missing lower seq_id before the waiting requests fail."""
+    keep_s: float = 600.0
+    """How long a finished request's result is kept for the client to retrieve (at most 60 s once it
+    has been retrieved); then it is dropped and a retrieve answers 404."""
 
     def __post_init__(self) -> None:
         if self.learners != 1:
             raise ValueError(f"--learners {self.learners}: the Tinker service trains in one process; use --learners 1")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} is no TCP port")
-        if self.session_timeout_s < 30 or self.seq_wait_s <= 0:
-            raise ValueError("--session-timeout-s must be at least 30 (the SDK heartbeats every 10 s) and "
-                             "--seq-wait-s positive")
+        if self.session_timeout_s < 30 or self.seq_wait_s <= 0 or self.keep_s < 60:
+            raise ValueError("--session-timeout-s must be at least 30 (the SDK heartbeats every 10 s), "
+                             "--seq-wait-s positive and --keep-s at least 60 (the SDK polls for 45 s)")
         if self.chunk_datums < 1 or not 0 < self.poll_s < 40 or self.max_body_mb < 1:
             raise ValueError("--chunk-datums and --max-body-mb must be at least 1, and --poll-s in (0, 40) "
                              "(the SDK gives up on a poll after 45 s)")
@@ -90,7 +93,8 @@ def main(args: TinkerArgs) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     path = resolve_model(args.model)
     service = Service(path, args.model, Path(args.logdir), threads=args.threads,
-                      session_timeout_s=args.session_timeout_s, seq_wait_s=args.seq_wait_s)
+                      session_timeout_s=args.session_timeout_s, seq_wait_s=args.seq_wait_s,
+                      keep_s=args.keep_s)
     app = make_app(service, key, chunk_datums=args.chunk_datums, poll_s=args.poll_s,
                    max_body_bytes=args.max_body_mb << 20)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from serve.service import Service, parse_path
+from serve.service import RETRIEVED_KEEP_S, Service, parse_path
 from serve.trainer import LoraChoice, UserError
 from serve.wire import WireError, decode_forward_backward
 
@@ -271,9 +271,7 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
 
         req = await parse(request, types.SampleRequest)
         if req.sampling_session_id is not None:
-            session = service.samplers.get(req.sampling_session_id)
-            if session is None:
-                raise UserError(f"no sampling session {req.sampling_session_id!r}")
+            session = service.sampling(req.sampling_session_id)
             weights = session.weights
         else:
             if req.model_path is None:
@@ -319,12 +317,15 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
         req = await parse(request, types.FutureRetrieveRequest)
         fut = service.futures.get(req.request_id)
         if fut is None:
-            return user_error(f"no request {req.request_id!r}", 404)
+            return user_error(f"no request {req.request_id!r}: unknown, or its result was dropped (results are kept "
+                              f"{service.keep_s:g} s after they finish, the service's --keep-s, and at most "
+                              f"{min(RETRIEVED_KEEP_S, service.keep_s):g} s after they are first retrieved)", 404)
         await asyncio.wait([asyncio.wrap_future(fut)], timeout=poll_s)
         if not fut.done():
             return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": "active"},
                                 status_code=408)
         body = fut.result()
+        service.retrieved(req.request_id)
         if isinstance(body, bytes):
             return Response(body, media_type=PROTO)
         return body

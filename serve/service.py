@@ -16,6 +16,12 @@ has come for `session_timeout_s`; its training clients' adapters and optimizer s
 sampling sessions' weights are then freed (after the requests already queued), and later calls
 on them are refused, so a long-running service does not accumulate dead clients.
 
+A finished request's result is kept `keep_s` after it finishes, and at most `RETRIEVED_KEEP_S`
+after it is first retrieved (the SDK polls once it has a result only when a poll's answer was
+lost); then it is dropped, with its retry keys, so a week-long service does not hold every
+result it ever gave. A sampling session unused for `session_timeout_s` (the RL loop makes one a
+step from the current weights) is freed with its weights; a later call on it is refused.
+
 A future's result is the response body: protobuf bytes (forward_backward, sample) or a JSON
 object; a failure is the API's error body {"error", "category"} ("user" for the caller's
 mistakes, "server" otherwise), and the service goes on.
@@ -28,6 +34,7 @@ written before a restart loads after it; `<logdir>/checkpoints.jsonl` lists ever
 from __future__ import annotations
 
 import itertools
+import math
 import json
 import logging
 import queue
@@ -48,6 +55,9 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 """A checkpoint name or a model id as it may appear in a tinker:// path (no "/", no "..")."""
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
+
+RETRIEVED_KEEP_S = 60.0
+"""How long a result stays after its first retrieval, for a client whose poll's answer was lost."""
 
 
 @dataclass
@@ -76,6 +86,7 @@ class SamplingSession:
     weights: Any
     """serve.sampler.Weights."""
     seen: dict[int, str] = field(default_factory=dict)
+    last_used: float = field(default_factory=time.time)
 
 
 def parse_path(path: str) -> tuple[str, str, str]:
@@ -102,7 +113,7 @@ class Service:
     """
 
     def __init__(self, model_path: str, model_name: str, logdir: Path, threads: int = 0,
-                 session_timeout_s: float = 600.0, seq_wait_s: float = 300.0) -> None:
+                 session_timeout_s: float = 600.0, seq_wait_s: float = 300.0, keep_s: float = 600.0) -> None:
         from serve.sampler import Sampler
         from serve.trainer import Trainer
 
@@ -115,15 +126,17 @@ class Service:
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, SamplingSession] = {}
         self.futures: dict[str, Future] = {}
+        self._finished: dict[str, float] = {}  # request id -> when its result was set
+        self._retrieved: dict[str, float] = {}  # request id -> when it was first retrieved
         self._adapters = itertools.count()  # the Trainer's adapter names: m0, m1, ...
         self._keys: dict[tuple, str] = {}  # (kind, ids...) -> request id: creation requests seen
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
         self._worker.start()
-        if session_timeout_s <= 0 or seq_wait_s <= 0:
-            raise ValueError("session_timeout_s and seq_wait_s must be positive")
-        self.session_timeout_s, self.seq_wait_s = session_timeout_s, seq_wait_s
+        if session_timeout_s <= 0 or seq_wait_s <= 0 or keep_s <= 0:
+            raise ValueError("session_timeout_s, seq_wait_s and keep_s must be positive")
+        self.session_timeout_s, self.seq_wait_s, self.keep_s = session_timeout_s, seq_wait_s, keep_s
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="tinker-reaper", daemon=True)
         self._reaper.start()
@@ -157,7 +170,36 @@ class Service:
         rid = uuid.uuid4().hex
         future: Future = Future()
         self.futures[rid] = future
+        future.add_done_callback(lambda _: self._finished.__setitem__(rid, time.time()))
         return rid, future
+
+    def retrieved(self, rid: str) -> None:
+        """The result of `rid` has been handed to a client: it is kept `RETRIEVED_KEEP_S` more."""
+        self._retrieved.setdefault(rid, time.time())
+
+    def _drop_results(self, now: float) -> None:
+        """Drop the results kept long enough (module docstring), and every key that names them. Under the lock."""
+        after_retrieval = min(RETRIEVED_KEEP_S, self.keep_s)
+        old = {rid for rid, t in list(self._finished.items())
+               if now - t > self.keep_s or now - self._retrieved.get(rid, math.inf) > after_retrieval}
+        if not old:
+            return
+        for rid in old:
+            self.futures.pop(rid, None)
+            self._finished.pop(rid, None)
+            self._retrieved.pop(rid, None)
+        self._keys = {k: rid for k, rid in self._keys.items() if rid not in old}
+        for owner in [*self.models.values(), *self.samplers.values()]:
+            owner.seen = {seq: rid for seq, rid in owner.seen.items() if rid not in old}
+
+    def sampling(self, sampler_id: str) -> SamplingSession:
+        """The sampling session, marked used now; refused when unknown or freed."""
+        s = self.samplers.get(sampler_id)
+        if s is None:
+            raise UserError(f"no sampling session {sampler_id!r}: unknown, or its session finished, or unused for "
+                            f"{self.session_timeout_s:g} s (the service's --session-timeout-s) and freed")
+        s.last_used = time.time()
+        return s
 
     def submit(self, job: Callable, key: tuple | None = None) -> str:
         """Queue `job`; its request id. A `key` seen before returns that request's id instead."""
@@ -265,10 +307,17 @@ class Service:
         return {"freed": [m.model_id for m in models]}
 
     def reap(self, now: float | None = None) -> None:
-        """Finish the sessions silent for `session_timeout_s` and fail the requests waiting longer
-        than `seq_wait_s` for a missing seq_id (run every few seconds by the reaper thread)."""
+        """Finish the sessions silent for `session_timeout_s`, free the sampling sessions unused as
+        long, drop the results kept long enough, and fail the requests waiting longer than
+        `seq_wait_s` for a missing seq_id (run every few seconds by the reaper thread)."""
         now = time.time() if now is None else now
         with self._lock:
+            self._drop_results(now)
+            idle = [k for k, s in self.samplers.items() if now - s.last_used > self.session_timeout_s]
+            for k in idle:
+                del self.samplers[k]
+            if idle:
+                log.info("freed %d sampling session(s) unused for %.0f s", len(idle), self.session_timeout_s)
             for m in self.models.values():
                 if m.held and m.blocked_since is not None and now - m.blocked_since > self.seq_wait_s:
                     self._skip_gap(m, now)
@@ -279,7 +328,7 @@ class Service:
             self.finish_session(sid, "heartbeat timeout")
 
     def _reap_loop(self) -> None:
-        period = min(5.0, self.seq_wait_s / 4, self.session_timeout_s / 4)
+        period = min(5.0, self.seq_wait_s / 4, self.session_timeout_s / 4, self.keep_s / 4)
         while not self._stop.wait(period):
             try:
                 self.reap()

@@ -106,3 +106,53 @@ def test_a_silent_session_is_finished_and_freed(tiny_model, tmp_path):
             service.live(silent)
     finally:
         service.close()
+
+
+def test_results_are_kept_for_a_while_then_dropped_with_their_retry_keys(tiny_model, tmp_path):
+    """A result is kept `keep_s` after it finishes, 60 s after its first retrieval; dropping it
+    drops the keys a retry would find it by (a model's seq_ids, creation keys)."""
+    service = Service(tiny_model, "builtin:tiny", tmp_path, threads=1, keep_s=600)
+    try:
+        sid = service.create_session()
+        create = service.submit(service.create_model_job(sid, 0, LoraChoice(rank=4)), key=("create", sid, 0))
+        service.futures[create].result()
+        model_id = f"{sid}:train:0"
+        step = service.submit_ordered(model_id, 1, lambda: {"stepped": True})
+        assert service.futures[step].result() == {"stepped": True}
+        service.retrieved(create)  # handed to the client; `step` never was
+        now = time.time()
+        service.sessions[sid]["heartbeat"] = now + 601  # the session stays alive throughout
+        service.reap(now=now + 61)
+        assert create not in service.futures and step in service.futures
+        assert service.submit(lambda: None, key=("create", sid, 0)) != create  # its key went with it
+        assert service.model(model_id).seen == {1: step}
+        service.reap(now=now + 601)
+        assert step not in service.futures and service.model(model_id).seen == {}
+        with pytest.raises(UserError, match="below its next one"):  # a retry of seq_id 1 now: refused as old
+            service.submit_ordered(model_id, 1, lambda: None)
+    finally:
+        service.close()
+
+
+def test_a_sampling_session_unused_for_the_session_timeout_is_freed(tiny_model, tmp_path):
+    service = Service(tiny_model, "builtin:tiny", tmp_path, threads=1, session_timeout_s=600)
+    try:
+        sid = service.create_session()
+        service.futures[service.submit(service.create_model_job(sid, 0, LoraChoice(rank=4)))].result()
+        for k in range(2):  # the RL loop's sampler a step, each a snapshot of the weights
+            service.add_sampler(f"{sid}:sample:{k}", None, service.snapshot(f"{sid}:train:0"))
+        now = time.time()
+        service.samplers[f"{sid}:sample:1"].last_used = now + 500  # still in use
+        service.sessions[sid]["heartbeat"] = now + 601
+        service.reap(now=now + 601)
+        assert list(service.samplers) == [f"{sid}:sample:1"]
+        with pytest.raises(UserError, match="unused for 600 s"):
+            service.sampling(f"{sid}:sample:0")
+        assert service.sampling(f"{sid}:sample:1").last_used >= now
+    finally:
+        service.close()
+
+
+def test_retrieving_a_request_that_is_unknown_or_dropped_says_why(served):
+    r = post(served, "retrieve_future", json={"request_id": "0" * 32})
+    assert r.status_code == 404 and "results are kept 600 s" in r.json()["error"], r.text
