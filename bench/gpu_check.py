@@ -130,9 +130,7 @@ def learner_steps(config, device: str, rows: int, tokens: int, warmup: int, step
     finally:
         learner.close()
         learner.publisher.close()
-    loss = float(metrics["loss"])
-    if loss != loss or abs(loss) == float("inf"):
-        raise RuntimeError(f"the step's loss is {loss}")
+    loss = _finite(float(metrics["loss"]), "the step's")
     return {"step_s": sig(sum(times) / len(times)), "peak_gb": None if peak_gb is None else round(peak_gb, 3),
             "setup_gb": round(setup_gb, 3) if cuda else None, "loss": loss,
             "params_m": round(sum(p.numel() for p in learner.model.parameters()) / 1e6, 1)}
@@ -169,6 +167,29 @@ def parity(device: str, prompts: int) -> dict:
     return out
 
 
+def image_maze_groups(engine, chat, runner, n: int, params) -> list:
+    """`n` GRPO groups of 4 image-maze episodes (4 turns at most) that `engine` plays with `params`."""
+    from actors.rollout import close, play, start
+    from envs import make_env
+    from replay.wire import Group
+
+    groups = []
+    for g in range(n):
+        episodes = [start(make_env("image-maze", max_steps=4), chat, runner, seed=100 + g, sampling_seed=4 * g + j)
+                    for j in range(4)]
+        play(engine, chat, episodes, params, 2048, runner)
+        for e in episodes:
+            close(e)
+        groups.append(Group(f"g{g}", f"seed={100 + g}", [e.trajectory() for e in episodes]))
+    return groups
+
+
+def _finite(loss: float, what: str) -> float:
+    if loss != loss or abs(loss) == float("inf"):
+        raise RuntimeError(f"{what} loss is {loss}")
+    return loss
+
+
 def image(device: str, groups: int) -> dict:
     """The `image` check (module docstring): engine and learner on `device`, both in bf16 on CUDA."""
     import numpy as np
@@ -177,31 +198,21 @@ def image(device: str, groups: int) -> dict:
     from actors.engine import SamplingParams
     from actors.engines import make_engine
     from actors.envrunner import EnvRunner
-    from actors.rollout import close, play, start
     from bench.model_step import world1_learner
-    from envs import make_env
     from learner.batch import collate
     from learner.config import LearnerConfig
     from learner.losses import mismatch_kl
     from policy.load import LoraSpec, load_chat, resolve_model
-    from replay.wire import Group
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     model_path, lora, temperature = resolve_model("builtin:tiny-vlm"), LoraSpec(), 0.7
     chat, runner = load_chat(model_path), EnvRunner(threads=4)
     engine = make_engine("torch", model_path, lora, device=device, dtype=dtype, seed=1)
     try:
-        played = []
-        for g in range(groups):
-            episodes = [start(make_env("image-maze", max_steps=4), chat, runner, seed=100 + g, sampling_seed=4 * g + j)
-                        for j in range(4)]
-            play(engine, chat, episodes, SamplingParams(8, chat.stop_ids, temperature=temperature), 2048, runner)
-            for e in episodes:
-                close(e)
-            trajs = [e.trajectory() for e in episodes]
-            for i, t in enumerate(trajs):  # rewards 1, 0, 1, 0 whatever the random model did: every row trains
+        played = image_maze_groups(engine, chat, runner, groups, SamplingParams(8, chat.stop_ids, temperature=temperature))
+        for group in played:  # rewards 1, 0, 1, 0 whatever the random model did: every row trains
+            for i, t in enumerate(group.trajectories):
                 t.reward = float((i + 1) % 2)
-            played.append(Group(f"g{g}", f"seed={100 + g}", trajs, actor="gpu-check"))
     finally:
         runner.close()
         engine.close()
@@ -227,9 +238,7 @@ def image(device: str, groups: int) -> dict:
     finally:
         learner.close()
         learner.publisher.close()
-    loss = float(metrics["loss"])
-    if loss != loss or abs(loss) == float("inf"):
-        raise RuntimeError(f"the image step's loss is {loss}")
+    loss = _finite(float(metrics["loss"]), "the image step's")
     return {"tokens": int(mask.sum()), "images": sum(len(row) for row in batch.images),
             "max_abs": sig(float((logp - behaviour)[mask].abs().max())),
             "kl": sig(mismatch_kl(logp, behaviour, mask.float())),

@@ -21,23 +21,14 @@ def _image_groups(model: str, n: int) -> list[Group]:
 
     from actors.engine import SamplingParams
     from actors.envrunner import EnvRunner
-    from actors.rollout import close, play, start
     from actors.torch_engine import TorchEngine
-    from envs import make_env
+    from bench.gpu_check import image_maze_groups
     from policy.load import LoraSpec, load_chat
 
     torch.set_num_threads(1)
     engine, chat, runner = TorchEngine(model, LoraSpec(rank=4), seed=1), load_chat(model), EnvRunner(threads=2)
     try:
-        groups = []
-        for g in range(n):
-            episodes = [start(make_env("image-maze", max_steps=4), chat, runner, seed=100 + g, sampling_seed=4 * g + j)
-                        for j in range(4)]
-            play(engine, chat, episodes, SamplingParams(4, chat.stop_ids, temperature=TEMPERATURE), 2048, runner)
-            for e in episodes:
-                close(e)
-            groups.append(Group(f"g{g}", f"seed={100 + g}", [e.trajectory() for e in episodes]))
-        return groups
+        return image_maze_groups(engine, chat, runner, n, SamplingParams(4, chat.stop_ids, temperature=TEMPERATURE))
     finally:
         runner.close()
         engine.close()
