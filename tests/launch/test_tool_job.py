@@ -46,3 +46,14 @@ def test_the_calculator_in_tool_call_mode_trains_end_to_end(tmp_path):
         # the tool, declared as Qwen2.5's template declares tools, and no `calc:` text command
         assert "<tools>" in prompt and '"name": "calculate"' in prompt and "calc:" not in prompt, prompt
         assert t.reward in (0.0, 1.0)
+    # the replies went through the tool-call path: the random model's turns are parsed into tool
+    # calls (none, or malformed ones), so the environment answers in tool-call mode's words or with
+    # the template's tool messages, never with the text mode's `calc:` instructions
+    later = [t for t in trajectories if t.turns > 1]
+    assert later, [(t.turns, t.finish_reason) for t in trajectories]
+    for t in later:
+        first_turn = int(t.mask.argmax())
+        rest = zip(t.tokens[first_turn:].tolist(), t.mask[first_turn:])
+        observed = tokenizer.decode([tok for tok, m in rest if not m])
+        assert "No tool call or answer found" in observed or "<tool_response>" in observed, observed
+        assert "No command found" not in observed, observed
