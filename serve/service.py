@@ -34,9 +34,9 @@ written before a restart loads after it; `<logdir>/checkpoints.jsonl` lists ever
 from __future__ import annotations
 
 import itertools
-import math
 import json
 import logging
+import math
 import queue
 import re
 import threading
@@ -58,6 +58,16 @@ KINDS = {"weights": "training", "sampler_weights": "sampler"}
 
 RETRIEVED_KEEP_S = 60.0
 """How long a result stays after its first retrieval, for a client whose poll's answer was lost."""
+
+
+class Result(Future):
+    """A request's future that knows when its result was set (`Service` drops it `keep_s` later)."""
+
+    finished_at: float | None = None
+
+    def set_result(self, result) -> None:
+        self.finished_at = time.time()  # before waiters wake: a result seen is always stamped
+        super().set_result(result)
 
 
 @dataclass
@@ -125,8 +135,7 @@ class Service:
         self.sessions: dict[str, dict] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, SamplingSession] = {}
-        self.futures: dict[str, Future] = {}
-        self._finished: dict[str, float] = {}  # request id -> when its result was set
+        self.futures: dict[str, Result] = {}
         self._retrieved: dict[str, float] = {}  # request id -> when it was first retrieved
         self._adapters = itertools.count()  # the Trainer's adapter names: m0, m1, ...
         self._keys: dict[tuple, str] = {}  # (kind, ids...) -> request id: creation requests seen
@@ -166,27 +175,27 @@ class Service:
                 log.exception("request failed")
                 future.set_result({"error": f"{type(exc).__name__}: {exc}", "category": "server"})
 
-    def _new_future(self) -> tuple[str, Future]:
+    def _new_future(self) -> tuple[str, Result]:
         rid = uuid.uuid4().hex
-        future: Future = Future()
+        future = Result()
         self.futures[rid] = future
-        future.add_done_callback(lambda _: self._finished.__setitem__(rid, time.time()))
         return rid, future
 
     def retrieved(self, rid: str) -> None:
         """The result of `rid` has been handed to a client: it is kept `RETRIEVED_KEEP_S` more."""
-        self._retrieved.setdefault(rid, time.time())
+        with self._lock:
+            if rid in self.futures:  # not dropped meanwhile
+                self._retrieved.setdefault(rid, time.time())
 
     def _drop_results(self, now: float) -> None:
         """Drop the results kept long enough (module docstring), and every key that names them. Under the lock."""
         after_retrieval = min(RETRIEVED_KEEP_S, self.keep_s)
-        old = {rid for rid, t in list(self._finished.items())
-               if now - t > self.keep_s or now - self._retrieved.get(rid, math.inf) > after_retrieval}
+        old = {rid for rid, f in self.futures.items() if f.finished_at is not None
+               and (now - f.finished_at > self.keep_s or now - self._retrieved.get(rid, math.inf) > after_retrieval)}
         if not old:
             return
         for rid in old:
-            self.futures.pop(rid, None)
-            self._finished.pop(rid, None)
+            del self.futures[rid]
             self._retrieved.pop(rid, None)
         self._keys = {k: rid for k, rid in self._keys.items() if rid not in old}
         for owner in [*self.models.values(), *self.samplers.values()]:
