@@ -37,7 +37,7 @@ import numpy as np
 from actors.engine import Engine, RequestEngine, SamplingParams, engine_dtype, stream_seed
 from actors.concurrency import scaled_env_threads, scaled_groups_in_flight
 from actors.envrunner import EnvRunner
-from actors.rollout import Episode, close, driver, start
+from actors.rollout import Episode, abandon, close, driver, start
 from envs.base import TextEnv
 from policy.choices import check_choices
 from replay.client import ActorReplay, ReplayUnavailable
@@ -340,6 +340,7 @@ class Actor:
                 self.replay.request_credit()
         if live and isinstance(self.engine, RequestEngine):
             self.engine.abort()  # the unfinished groups are dropped: none of their turns may come back
+        abandon([e for g in live for e in g.episodes], self.runner)
         try:
             self.replay.flush(timeout=30.0)  # every finished group acknowledged before returning
         except ReplayUnavailable as exc:

@@ -288,6 +288,18 @@ def close(ep: Episode) -> None:
         ep.error = f"close failed: {exc!r}"
 
 
+def abandon(episodes: list[Episode], runner: EnvRunner) -> None:
+    """Close the environments of episodes that will not be finished (an actor stopping mid-group),
+    so that nothing of them outlives the actor: a code task's work folder goes with its episode.
+    Calls still running are waited for up to the runner's time limit first; an environment whose
+    call ran past it is left alone (closing it might hang as well), and the sandbox's sweep at
+    the next start removes what it holds."""
+    late = {c.key for c in runner.collect(runner.timeout_s, need_all=True) if c.abandoned}
+    for ep in episodes:
+        if ep.session not in late:
+            close(ep)
+
+
 EVAL_WAVE = 64
 """Episodes `evaluate` gives a batch engine at once. A batch engine pads each generation to its
 longest row, and an episode that joins a running batch widens that generation to its whole

@@ -173,6 +173,7 @@ class Sandbox:
         self.sweep()
         self._check()
         atexit.register(self.sweep, mine=True)  # episodes an actor abandoned (a timed-out step) too
+        _MADE.append(self)
 
     # -- set-up ----------------------------------------------------------------
     def _make_etc(self, uid: int) -> Path:
@@ -434,6 +435,18 @@ class Episode:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_MADE: list[Sandbox] = []
+"""The sandboxes this process made (`release`)."""
+
+
+def release() -> int:
+    """Remove every folder this process's sandboxes made (their episodes' and their generated
+    /etc), as their exit handlers would: for a process that is ended without running them (Ray
+    ends an actor's or a learner's process so). The sandboxes are not to be used afterwards. How
+    many folders were removed."""
+    return sum(sandbox.sweep(mine=True) for sandbox in _MADE)
 
 
 def _force(fn, path, exc_info) -> None:

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from launch.config import Config
-from launch.parts import actor_options, claim_devices, set_threads
+from launch.parts import actor_options, claim_devices, release_sandboxes, set_threads
 
 
 class EvalPart:
@@ -42,6 +42,7 @@ class EvalPart:
 
     def close(self) -> None:
         self.evaluator.close()
+        release_sandboxes()
 
 
 def _blob(tensors: dict) -> bytes:

@@ -18,6 +18,7 @@ the evaluator runs the policy: launch/evaluators.py.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 from launch import cluster
@@ -121,6 +122,15 @@ def set_threads(n: int) -> None:
     torch.set_num_threads(n)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.disable_progress_bar()
+
+
+def release_sandboxes() -> None:
+    """The code environment's work folders end with the process that made them, whether Ray ends it
+    without its exit handlers (a part) or another exit handler ends it first (the driver's
+    evaluator). envs/sandbox.py is imported only where the environment was made."""
+    sandbox = sys.modules.get("envs.sandbox")
+    if sandbox is not None:
+        sandbox.release()
 
 
 class ReplayPart:
@@ -244,6 +254,7 @@ class LearnerPart:
             self.learner.close(failed)  # a failed rank skips the barrier: its error reaches the driver now
             if self.publisher is not None:
                 self.publisher.close()
+            release_sandboxes()
 
     def drain_metrics(self) -> list[dict]:
         return self.learner.drain_metrics()
@@ -305,6 +316,7 @@ class ActorPart:
             self.actor.run(self._stop)
         finally:
             self.actor.engine.close()  # vLLM's engine processes end with the actor
+            release_sandboxes()
 
     def stop(self) -> None:
         self._stop.set()

@@ -3,6 +3,7 @@ score what they should on code-64 (real sandboxes, real processes)."""
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -170,3 +171,40 @@ def test_the_last_turn_is_graded_and_ends_the_episode(root):
     assert truncated and not terminated and reward == 1.0 and info["solved"]
     assert "No turns or time left" in obs[0]["content"]
     env.close()
+
+
+def test_an_actor_stopped_mid_group_leaves_no_work_folder(root, tiny_model, chat):
+    """Stopping a run ends its actors with groups unfinished: their episodes' work folders are
+    removed as the actor stops, not left for the next run's sweep."""
+    from actors.actor import Actor, ActorConfig
+    from actors.torch_engine import TorchEngine
+    from policy.load import LoraSpec
+    from replay.buffer import ReplayBuffer
+    from replay.client import LocalReplay
+    from weights.publisher import WeightPublisher
+    from weights.subscriber import WeightSubscriber
+    from tests.actors.test_actor import random_adapter
+
+    engine = TorchEngine(tiny_model, LoraSpec(rank=4))
+    publisher = WeightPublisher()
+    subscriber = WeightSubscriber(publisher.endpoints)
+    actor = Actor(ActorConfig(group_size=2, groups_in_flight=2, max_new_tokens=4, max_tokens=2048), "actor-0",
+                  engine, chat, lambda: make_env("code", sandbox_root=str(root)),
+                  LocalReplay(ReplayBuffer(groups_per_step=2, max_staleness=100), actor="actor-0"), subscriber)
+    stop = threading.Event()
+    thread = threading.Thread(target=actor.run, args=(stop,))
+    folders = lambda: [p.name for p in root.iterdir() if p.name.startswith("ep-")]  # noqa: E731
+    try:
+        publisher.publish(random_adapter(engine, version=0, scale=0.0))
+        thread.start()
+        deadline = time.time() + 120
+        while time.time() < deadline and not folders():
+            time.sleep(0.05)
+        playing = folders()
+    finally:
+        stop.set()
+        thread.join(120)
+        subscriber.close()
+        publisher.close()
+    assert not thread.is_alive() and playing, "the actor never started an episode"
+    assert folders() == []

@@ -6,9 +6,11 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import threading
 import uuid
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,8 @@ from envs.code import CODE64_SEED, task_set
 import envs.sandbox as sandbox_module
 from envs.sandbox import Limits, Sandbox, SandboxConfig, SandboxUnavailable
 from envs.sandbox_watch import Capped, Watcher, sandboxed_pids
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -341,3 +345,16 @@ def test_capped_output_keeps_the_first_and_last_halves():
     small = Capped(100)
     small.add(b"hello")
     assert small.text() == "hello" and small.cut == 0
+
+
+def test_release_removes_what_this_process_made(root):
+    """A process that Ray ends without its exit handlers releases its sandboxes first (in a
+    process of its own here: release takes every sandbox of the process)."""
+    code = (f"from envs.sandbox import Sandbox, SandboxConfig, release; import os\n"
+            f"ep = Sandbox(SandboxConfig(root={str(root)!r})).episode(); ep.write('x', 'x')\n"
+            f"made = sorted(os.listdir({str(root)!r})); print(len(made), release(), os.listdir({str(root)!r}))\n"
+            f"os._exit(0)  # as Ray ends a process: no exit handlers\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "2", "[]"]  # the episode's folder and the sandbox's /etc, both gone
+    assert list(root.iterdir()) == []
