@@ -12,6 +12,10 @@ without it). Bodies over `max_body_bytes` get 413. A malformed or wrong request 
 SDK's error form `{"error", "category": "user"}`; a request that fails once queued resolves its
 future to that form; either way the service goes on serving.
 
+The listings of training runs, checkpoints and sessions are serve/runs.py's. A route the service
+does not have (the Tinker cloud's publishing, TTLs, external weights, copies, billing, audit log,
+projects, traces) answers 404 in the SDK's error form, saying it is not served by Tandem.
+
 The `client/config` answer switches off what this service does not implement (JWT exchange,
 zstd-compressed bodies, the session futures poller, server-side custom losses) and sets the
 SDK's forward_backward chunk size to `chunk_datums`.
@@ -26,10 +30,14 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
-from serve.service import RETRIEVED_KEEP_S, Service, parse_path
+from serve import runs
+from serve.service import RETRIEVED_KEEP_S, Service
+from serve.store import NotFound, parse_path
 from serve.trainer import LoraChoice, UserError
 from serve.wire import WireError, decode_forward_backward
 
@@ -64,11 +72,21 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
     @app.exception_handler(UserError)
     @app.exception_handler(WireError)
     async def refused(request: Request, exc: Exception):
-        return user_error(str(exc))
+        return user_error(str(exc), 404 if isinstance(exc, NotFound) else 400)
 
     @app.exception_handler(ValidationError)
-    async def malformed(request: Request, exc: ValidationError):
-        return user_error(f"malformed request: {exc.errors(include_url=False)[:3]}")
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, exc: ValidationError | RequestValidationError):
+        errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else exc.errors()
+        return user_error(f"malformed request: {list(errors)[:3]}")
+
+    @app.exception_handler(HTTPException)
+    async def not_served(request: Request, exc: HTTPException):  # the router's 404 and 405
+        if exc.status_code not in (404, 405):
+            return user_error(str(exc.detail), exc.status_code)
+        return user_error(f"{request.method} {request.url.path} is not served by Tandem's Tinker service (publishing, "
+                          "checkpoint TTLs, external weights, copies, billing, audit logs, projects and traces "
+                          "belong to the Tinker cloud; docs/tinker.md lists what is served)", 404)
 
     async def read_json(request: Request) -> dict:
         body = await request.body()
@@ -121,7 +139,8 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
     @app.post("/api/v1/create_session")
     async def create_session(request: Request):
         req = await parse(request, types.CreateSessionRequest)
-        return {"type": "create_session", "session_id": service.create_session(req.user_metadata)}
+        return {"type": "create_session",
+                "session_id": service.create_session(req.user_metadata, req.display_name)}
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
@@ -150,7 +169,7 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
         lora = req.lora_config or types.LoraConfig(rank=32)
         choice = LoraChoice(rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp, train_attn=lora.train_attn,
                             train_unembed=lora.train_unembed)
-        rid = service.submit(service.create_model_job(req.session_id, req.model_seq_id, choice),
+        rid = service.submit(service.create_model_job(req.session_id, req.model_seq_id, choice, req.user_metadata),
                              key=("create", req.session_id, req.model_seq_id))
         return future(rid)
 
@@ -310,6 +329,51 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
         key = None if session is None or req.seq_id is None else ("sample", req.sampling_session_id, req.seq_id)
         rid = service.submit(job, key=key)
         return future(rid, sample_sequence_ids=[f"{rid}:{i}" for i in range(n)])
+
+    # -- training runs, checkpoints, sessions (plain functions: FastAPI runs them off the event loop) --
+    @app.get("/api/v1/training_runs")
+    def list_training_runs(limit: int = 20, offset: int = 0, access_scope: str = "owned",
+                           project_id: str | None = None):
+        runs.check_scope(access_scope, project_id)
+        return runs.training_runs(service, limit, offset)
+
+    @app.get("/api/v1/training_runs/{run_id}")
+    def get_training_run(run_id: str, access_scope: str = "owned"):
+        runs.check_scope(access_scope)
+        return runs.training_run(service, run_id)
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    def list_checkpoints(run_id: str):
+        return runs.checkpoints(service, run_id)
+
+    @app.get("/api/v1/checkpoints")
+    def list_user_checkpoints(limit: int = 100, offset: int = 0):
+        return runs.user_checkpoints(service, limit, offset)
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    def delete_checkpoint(run_id: str, kind: str, name: str):
+        runs.delete(service, f"tinker://{run_id}/{kind}/{name}")
+        return Response(status_code=200)
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}")
+    def delete_checkpoint_by_bare_id(run_id: str, checkpoint_id: str):
+        raise UserError(f"checkpoint id {checkpoint_id!r}: it is <weights|sampler_weights>/<name>, as "
+                        "list_checkpoints gives it")
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request):
+        path = (await read_json(request)).get("tinker_path")
+        return await asyncio.to_thread(runs.weights_info, service, path)
+
+    @app.get("/api/v1/sessions")
+    def list_sessions(limit: int = 20, offset: int = 0, access_scope: str = "owned"):
+        runs.check_scope(access_scope)
+        return runs.sessions(service, limit, offset)
+
+    @app.get("/api/v1/sessions/{session_id}")
+    def get_session(session_id: str, access_scope: str = "owned"):
+        runs.check_scope(access_scope)
+        return runs.session(service, session_id)
 
     # -- futures -------------------------------------------------------------------
     @app.post("/api/v1/retrieve_future")

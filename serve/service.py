@@ -28,17 +28,16 @@ mistakes, "server" otherwise), and the service goes on.
 
 Checkpoints live under `<logdir>/checkpoints/<model id>/<weights|sampler_weights>/<name>/` and
 their `tinker://<model id>/<kind>/<name>` paths map to those directories, so a checkpoint
-written before a restart loads after it; `<logdir>/checkpoints.jsonl` lists every save.
+written before a restart loads after it; serve/store.py records the runs created and every save
+and deletion in the logdir.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import queue
-import re
 import threading
 import time
 import uuid
@@ -47,14 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from serve.store import NAME, Store
 from serve.trainer import LoraChoice, UserError
 
 log = logging.getLogger("tandem.tinker")
-
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-"""A checkpoint name or a model id as it may appear in a tinker:// path (no "/", no "..")."""
-
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
 
 RETRIEVED_KEEP_S = 60.0
 """How long a result stays after its first retrieval, for a client whose poll's answer was lost."""
@@ -99,17 +94,6 @@ class SamplingSession:
     last_used: float = field(default_factory=time.time)
 
 
-def parse_path(path: str) -> tuple[str, str, str]:
-    """(model id, kind, name) of `tinker://<model id>/<weights|sampler_weights>/<name>`;
-    UserError for anything else."""
-    if not isinstance(path, str) or not path.startswith("tinker://"):
-        raise UserError(f"{path!r} is not a tinker:// path")
-    parts = path[len("tinker://"):].split("/")
-    if len(parts) != 3 or parts[1] not in KINDS or not all(NAME.fullmatch(p) for p in (parts[0], parts[2])):
-        raise UserError(f"{path!r} is not tinker://<model id>/<weights|sampler_weights>/<name>")
-    return parts[0], parts[1], parts[2]
-
-
 class Service:
     """Everything the API's endpoints do, callable in-process (tests, benchmarks).
 
@@ -129,7 +113,7 @@ class Service:
 
         self.model_path, self.model_name = model_path, model_name
         self.logdir = Path(logdir)
-        (self.logdir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self.store = Store(self.logdir)
         self.trainer = Trainer(model_path, threads)
         self.sampler = Sampler(model_path)
         self.sessions: dict[str, dict] = {}
@@ -233,6 +217,7 @@ class Service:
         with self._lock:
             model = self.model(model_id)
             self.sessions[model.session]["heartbeat"] = time.time()  # a client at work is alive
+            self.store.touch(model_id)
             if seq_id in model.seen:
                 return model.seen[seq_id]
             if seq_id < model.next_seq:
@@ -270,10 +255,10 @@ class Service:
         model.next_seq, model.blocked_since = held[-1] + 1, None
 
     # -- sessions ----------------------------------------------------------------
-    def create_session(self, metadata: dict | None = None) -> str:
+    def create_session(self, metadata: dict | None = None, display_name: str | None = None) -> str:
         sid = f"session-{uuid.uuid4().hex[:16]}"
         self.sessions[sid] = {"created": time.time(), "heartbeat": time.time(), "finished": None,
-                              "metadata": metadata or {}}
+                              "metadata": metadata or {}, "display_name": display_name}
         return sid
 
     def session(self, sid: str) -> dict:
@@ -345,12 +330,14 @@ class Service:
                 log.exception("reaping failed")
 
     # -- models ------------------------------------------------------------------
-    def create_model_job(self, sid: str, model_seq_id: int, lora: LoraChoice) -> Callable:
+    def create_model_job(self, sid: str, model_seq_id: int, lora: LoraChoice,
+                         user_metadata: dict | None = None) -> Callable:
         model_id = f"{sid}:train:{model_seq_id}"
         adapter = f"m{next(self._adapters)}"
 
         def job():
             self.trainer.create(adapter, lora)
+            self.store.add_run(model_id, self.model_path, lora.to_dict(), sid, user_metadata)
             with self._lock:
                 self.models[model_id] = Model(model_id, adapter, lora)
             return {"model_id": model_id, "type": "create_model"}
@@ -373,10 +360,6 @@ class Service:
                                "tokenizer_id": self.model_path}}
 
     # -- checkpoints -------------------------------------------------------------
-    def checkpoint_dir(self, path: str) -> Path:
-        model_id, kind, name = parse_path(path)
-        return self.logdir / "checkpoints" / model_id / kind / name
-
     def save(self, model_id: str, name: str | None, kind: str, optimizer: bool) -> str:
         """Save the model's adapter (with its optimizer for kind "weights") as `name`; its path."""
         m = self.model(model_id)
@@ -384,27 +367,20 @@ class Service:
         if not NAME.fullmatch(name):
             raise UserError(f"checkpoint name {name!r}: use letters, digits and . _ : - (no /)")
         path = f"tinker://{model_id}/{kind}/{name}"
-        directory = self.checkpoint_dir(path)
-        self.trainer.save(m.adapter, directory, optimizer=optimizer, base_model=self.model_path)
-        with open(self.logdir / "checkpoints.jsonl", "a") as f:
-            f.write(json.dumps({"path": path, "time": time.time(), "step": self.trainer.steps[m.adapter]}) + "\n")
+        self.trainer.save(m.adapter, self.store.place(path), optimizer=optimizer, base_model=self.model_path)
+        self.store.record_save(path, self.trainer.steps[m.adapter])
         return path
 
     def load_into(self, model_id: str, path: str, optimizer: bool) -> None:
-        directory = self.checkpoint_dir(path)
-        if not (directory / "tinker.json").is_file():
-            raise UserError(f"no checkpoint at {path}")
-        self.trainer.load(self.model(model_id).adapter, directory, optimizer)
+        self.trainer.load(self.model(model_id).adapter, self.store.find(path), optimizer)
 
     def create_model_from_state_job(self, sid: str, model_seq_id: int, path: str, optimizer: bool) -> Callable:
         model_id = f"{sid}:train:{model_seq_id}"
         adapter = f"m{next(self._adapters)}"
 
         def job():
-            directory = self.checkpoint_dir(path)
-            if not (directory / "tinker.json").is_file():
-                raise UserError(f"no checkpoint at {path}")
-            self.trainer.load(adapter, directory, optimizer)
+            self.trainer.load(adapter, self.store.find(path), optimizer)
+            self.store.add_run(model_id, self.model_path, self.trainer.choices[adapter].to_dict(), sid, None)
             with self._lock:
                 self.models[model_id] = Model(model_id, adapter, self.trainer.choices[adapter])
             return {"type": "load_weights", "path": path, "model_id": model_id}
@@ -418,10 +394,7 @@ class Service:
 
         if path is None:
             return Weights("base", None, None)
-        directory = self.checkpoint_dir(path)
-        if not (directory / "tinker.json").is_file():
-            raise UserError(f"no checkpoint at {path}")
-        adapter = read_adapter(directory)
+        adapter = read_adapter(self.store.find(path))
         return Weights(path, adapter.lora_spec(), adapter.tensors)
 
     def snapshot(self, model_id: str):

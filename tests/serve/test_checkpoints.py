@@ -1,12 +1,13 @@
-"""Durable state through the real SDK: save_state -> a restart of the service -> load_state
-(optimizer too) -> the identical next step; load_state on a live client; sampler weights; bad paths."""
+"""Durable state through the real SDK: save_state -> a restart of the service -> the checkpoints
+listed, load_state (optimizer too) -> the identical next step; load_state on a live client; sampler
+weights; bad paths."""
 
 import numpy as np
 import pytest
 import tinker
 from tinker import types
 
-from tests.serve.conftest import start_service
+from tests.serve.conftest import KEY, start_service
 from tests.serve.test_training import ADAM, DATA, PROBE, logprobs, step
 
 
@@ -29,6 +30,9 @@ def test_state_survives_a_restart(tiny_model, tmp_path):
     assert (logdir / "checkpoints.jsonl").read_text().count(path) == 1
     served = start_service(tiny_model, logdir)
     try:
+        run_id = types.ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id
+        listed = tinker.RestClient(base_url=served.url, api_key=KEY).list_checkpoints(run_id).result()
+        assert [c.tinker_path for c in listed.checkpoints] == [weights_only, path]  # newest first
         with served.client() as client:
             tc = client.create_training_client_from_state_with_optimizer(path).result()
             assert step(tc, DATA)[0] == pytest.approx(before, rel=1e-6)
