@@ -150,8 +150,8 @@ class WeightSubscriber:
         if newest <= self.version:
             return None
         if self.local and self._socket.newest < newest:
-            log.warning("weight channel: version %d is not in shared memory (the publisher logged why); "
-                        "fetching it over the socket", newest)
+            log.warning("weight channel: version %d is not in shared memory (a write that failed, which the "
+                        "publisher logs, or a publisher that has closed); fetching it over the socket", newest)
             return self.latest(self.timeout)
         adapter = self._socket.adapter(newest, commits.get(newest))
         return self._deliver(adapter) if adapter is not None else None
