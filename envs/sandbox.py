@@ -172,8 +172,7 @@ class Sandbox:
         self._etc = self._make_etc(uid)
         self.sweep()
         self._check()
-        atexit.register(self.sweep, mine=True)  # episodes an actor abandoned (a timed-out step) too
-        _MADE.append(self)
+        _MADE.append(self)  # swept at exit (`release`): episodes an actor abandoned (a timed-out step) too
 
     # -- set-up ----------------------------------------------------------------
     def _make_etc(self, uid: int) -> Path:
@@ -443,10 +442,13 @@ _MADE: list[Sandbox] = []
 
 def release() -> int:
     """Remove every folder this process's sandboxes made (their episodes' and their generated
-    /etc), as their exit handlers would: for a process that is ended without running them (Ray
+    /etc). Runs at exit, and is called by a process that is ended without its exit handlers (Ray
     ends an actor's or a learner's process so). The sandboxes are not to be used afterwards. How
     many folders were removed."""
     return sum(sandbox.sweep(mine=True) for sandbox in _MADE)
+
+
+atexit.register(release)
 
 
 def _force(fn, path, exc_info) -> None:

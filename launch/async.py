@@ -37,7 +37,7 @@ def main(cfg: Config) -> int:
     from launch.fleet import Fleet, PartFailed, RestartsSpent, init_error
     from launch.monitor import Board
     from launch.parts import (ActorPart, LearnerPart, ReplayPart, actor_options, gpu_demand, learner_gpus,
-                              learner_options, release_sandboxes, replay_options, resolve_policy)
+                              learner_options, replay_options, resolve_policy)
     from launch.supervise import LearnerFailed, LearnerGroup, ReplayService
     from ray.exceptions import RayActorError
 
@@ -155,7 +155,6 @@ def main(cfg: Config) -> int:
     finally:
         board.close()
         ray.shutdown()
-        release_sandboxes()  # the evaluator's, in this process
 
 
 def _lock_run(logdir: str):

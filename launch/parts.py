@@ -125,9 +125,8 @@ def set_threads(n: int) -> None:
 
 
 def release_sandboxes() -> None:
-    """The code environment's work folders end with the process that made them, whether Ray ends it
-    without its exit handlers (a part) or another exit handler ends it first (the driver's
-    evaluator). envs/sandbox.py is imported only where the environment was made."""
+    """The code environment's work folders end with the part's process, which Ray ends without its
+    exit handlers. envs/sandbox.py is imported only where the environment was made."""
     sandbox = sys.modules.get("envs.sandbox")
     if sandbox is not None:
         sandbox.release()
