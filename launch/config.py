@@ -171,6 +171,12 @@ class Config:
         return scale.rank_actor(self.actor, self.groups_per_step // self.learners, self.learner.num_gpus)
 
     @property
+    def drops_equal_groups(self) -> bool:
+        """--replay.drop-zero-variance as the run applies it: for group-relative advantages (grpo,
+        rloo) of groups of more than one episode."""
+        return self.replay.drop_zero_variance and self.algo != "ppo" and self.actor.group_size > 1
+
+    @property
     def staleness_bound(self) -> int:
         """η actually enforced: 0 in colocated mode, which is strictly on-policy."""
         return 0 if self.colocate else self.max_staleness

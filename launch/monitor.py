@@ -187,6 +187,7 @@ def replay_scalars(stats: dict) -> dict[str, float]:
         "replay/groups_in_socket": stats["received_groups"] - stats["received_shared"],
         "replay/log_pending": stats["pending"],
         "replay/credits_expired": stats["credits_expired"],
+        "replay/kept_equal": stats["kept_equal"],
     }
     for reason in ("stale", "zero_variance"):
         out[f"replay/dropped_{reason}"] = stats["dropped"].get(reason, 0)

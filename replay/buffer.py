@@ -97,6 +97,8 @@ class ReplayStats:
     duplicates: int = 0
     dropped: Counter = field(default_factory=Counter)
     staleness_served: Counter = field(default_factory=Counter)
+    kept_equal: int = 0
+    """Groups of equal rewards kept although the filter is on: they came after `drop_limit` in a row."""
     credits_granted: int = 0
     credits_expired: int = 0
     """Credits taken back from actors silent for longer than the lease (`ReplayBuffer.expire`)."""
@@ -107,7 +109,7 @@ class ReplayStats:
                 "received_bytes": self.received_bytes, "received_shared": self.received_shared,
                 "served_groups": self.served_groups,
                 "served_bytes": self.served_bytes, "released_groups": self.released_groups,
-                "duplicates": self.duplicates, "dropped": dict(self.dropped),
+                "duplicates": self.duplicates, "dropped": dict(self.dropped), "kept_equal": self.kept_equal,
                 "staleness_served": {str(k): v for k, v in sorted(self.staleness_served.items())},
                 "credits_granted": self.credits_granted, "credits_expired": self.credits_expired,
                 "malformed_frames": self.malformed_frames}
@@ -139,7 +141,7 @@ class ReplayBuffer:
     def __init__(self, groups_per_step: int, max_staleness: int, num_shards: int = 1,
                  capacity_groups: int = 4096, capacity_bytes: int = 4 << 30, order: str = "fifo",
                  drop_zero_variance: bool = False, log=None, dedupe_window: int = 250_000,
-                 lease_s: float = 600.0, clock=None) -> None:
+                 lease_s: float = 600.0, clock=None, drop_patience: int = 2) -> None:
         if groups_per_step < 1 or max_staleness < 0 or num_shards < 1:
             raise ValueError("groups_per_step ≥ 1, max_staleness ≥ 0 and num_shards ≥ 1 are required")
         if groups_per_step % num_shards:
@@ -149,7 +151,12 @@ class ReplayBuffer:
             raise ValueError(f"--replay.order must be 'fifo' or 'newest', got {order!r}")
         self.B, self.eta, self.shards = groups_per_step, max_staleness, num_shards
         self.capacity_groups, self.capacity_bytes, self.order = capacity_groups, capacity_bytes, order
+        if drop_patience < 1:
+            raise ValueError(f"--replay.drop-patience must be at least 1, got {drop_patience}")
         self.drop_zero_variance = drop_zero_variance
+        self.drop_limit = drop_patience * groups_per_step
+        """Equal-reward groups dropped in a row before such groups are kept again (`admit`)."""
+        self.dropped_in_a_row = 0
         self.log = log
         self.version = 0
         self.accepted = 0
@@ -246,12 +253,26 @@ class ReplayBuffer:
             entry.free()
             return "duplicate"
         self.seen.add(entry.group_id)
-        if self.drop_zero_variance and np.ptp(entry.rewards) == 0:
+        if self.drop_zero_variance and self._drops(entry):
             self.stats.dropped["zero_variance"] += 1
             entry.free()
             return "filtered"
         self.pending += 1
         return None
+
+    def _drops(self, entry: Entry) -> bool:
+        """Dynamic sampling: whether to drop `entry`, a group whose rewards are all equal (it
+        carries no group-relative signal). Never starves the learner: once `drop_limit` such groups
+        came in a row (a task the policy always or never solves), they are kept, as without the
+        filter, until a group with a signal comes."""
+        if np.ptp(entry.rewards) != 0:
+            self.dropped_in_a_row = 0
+            return False
+        if self.dropped_in_a_row >= self.drop_limit:
+            self.stats.kept_equal += 1
+            return False
+        self.dropped_in_a_row += 1
+        return True
 
     def commit(self, entry: Entry, trajectories: int = 0) -> None:
         """The second half of `push`: the group is stored and may be sampled."""

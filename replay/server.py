@@ -60,8 +60,15 @@ class ReplayConfig:
     """Most megabytes of stored groups; when full, actors wait for credits."""
     order: Literal["fifo", "newest"] = "fifo"
     """Sampling order among fresh groups: "fifo" (oldest first) or "newest"."""
-    drop_zero_variance: bool = False
-    """Dynamic sampling: drop (and count) groups whose rewards are all equal; they carry no GRPO signal."""
+    drop_zero_variance: bool = True
+    """Dynamic sampling (DAPO's): drop (and count) groups whose rewards are all equal, which carry no
+    signal for group-relative advantages, so that every step trains on groups that do. It never
+    starves the learner: after --replay.drop-patience steps' worth of such groups in a row (a task
+    the policy always or never solves), they are kept until a group with a signal comes. Applies to
+    the asynchronous mode with --algo grpo or rloo and --actor.group-size above 1 (PPO's critic
+    learns from every group); --replay.no-drop-zero-variance keeps every group."""
+    drop_patience: int = 2
+    """Equal-reward groups dropped in a row, in steps' worth (× groups per step), before they are kept."""
     log: bool = True
     """Keep the append-only log (stored groups survive a replay restart and a resume) in the run
     directory whenever checkpoints are on; --replay.no-log turns it off."""
@@ -89,6 +96,8 @@ class ReplayConfig:
             raise ValueError(f"--replay.restarts must be 0 or more, got {self.restarts}")
         if self.lease_s <= 0:
             raise ValueError(f"--replay.lease-s must be positive, got {self.lease_s}")
+        if self.drop_patience < 1:
+            raise ValueError(f"--replay.drop-patience must be at least 1, got {self.drop_patience}")
         if self.arena_mb < 0:
             raise ValueError(f"--replay.arena-mb must be 0 (off) or more, got {self.arena_mb}")
         if self.capacity < 1 or self.capacity_mb < 1:
@@ -97,14 +106,17 @@ class ReplayConfig:
             raise ValueError(f"--replay.port must be in [0, 65535], got {self.port}")
 
     def make_buffer(self, groups_per_step: int, max_staleness: int, learners: int,
-                    log_dir: str | None = None) -> ReplayBuffer:
-        """The buffer, keeping its log in `log_dir` (default --replay.log-dir; None: no log)."""
+                    log_dir: str | None = None, drop_equal: bool | None = None) -> ReplayBuffer:
+        """The buffer, keeping its log in `log_dir` (default --replay.log-dir; None: no log).
+        `drop_equal`: whether the run's algorithm drops groups of equal rewards (default
+        --replay.drop-zero-variance)."""
         from replay.log import ReplayLog
 
         log_dir = log_dir or self.log_dir
         log = ReplayLog(log_dir, fsync=self.fsync, prune=not self.keep_log) if log_dir else None
         return ReplayBuffer(groups_per_step, max_staleness, learners, self.capacity, self.capacity_mb << 20,
-                            self.order, self.drop_zero_variance, log, lease_s=self.lease_s)
+                            self.order, self.drop_zero_variance if drop_equal is None else drop_equal, log,
+                            lease_s=self.lease_s, drop_patience=self.drop_patience)
 
     def bind(self, address: str | None = None) -> str:
         """The endpoint to bind: on `address` (resolved by the launcher), else on --replay.host or loopback."""
