@@ -291,7 +291,10 @@ def _monitor(cfg, model_path, board, replay, learners, weights, key, started, fl
                 board.eval(last_eval, result)
             if time.time() - last_print > 10:
                 stats = replay.snapshot()
-                board.progress(version, stats["received_groups"] if stats is not None else None)
+                if stats is not None:
+                    board.progress(version, stats["received_groups"], stats["dropped"].get("zero_variance", 0))
+                else:
+                    board.progress(version)
                 last_print = time.time()
     finally:
         sub.close()

@@ -173,8 +173,8 @@ class Config:
     @property
     def drops_equal_groups(self) -> bool:
         """--replay.drop-zero-variance as the run applies it: for group-relative advantages (grpo,
-        rloo) of groups of more than one episode."""
-        return self.replay.drop_zero_variance and self.algo != "ppo" and self.actor.group_size > 1
+        rloo), not for PPO, whose critic learns from every group."""
+        return self.replay.drop_zero_variance and self.algo != "ppo"
 
     @property
     def staleness_bound(self) -> int:

@@ -118,13 +118,15 @@ class Board:
         """A line on stdout with the run's clock (what the driver is doing)."""
         print(f"[{self._clock()}] {text}", flush=True)
 
-    def progress(self, version: int, groups_in: int | None = None) -> None:
+    def progress(self, version: int, groups_in: int | None = None, dropped: int = 0) -> None:
         """The progress line; `groups_in`, the groups replay has received so far, shows that
-        rollouts arrive before the first learner step (the other figures come with a step)."""
+        rollouts arrive before the first learner step (the other figures come with a step), and
+        `dropped`, the groups of equal rewards it dropped, what the dynamic sampling costs."""
         g = self.last.get
         ev = f"{self.evals[-1][1]:.0%}@v{self.evals[-1][0]}" if self.evals else "-"
         at = f" (v{version})" if version != self.step else ""
         received = f" | groups in {groups_in}" if groups_in is not None else ""
+        received += f" (+{dropped} equal, dropped)" if groups_in is not None and dropped else ""
         print(f"[{self._clock()}] step {self.step}/{self.steps}{at} | eval {ev}{received} | "
               f"reward {g('rollout/reward_mean', 0):.2f} | traj/s {g('perf/trajectories_per_s', 0):.1f} | "
               f"staleness {g('async/staleness_mean', 0):.2f} | learner idle {g('perf/learner_idle_fraction', 0):.0%} | "

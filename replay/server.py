@@ -60,13 +60,13 @@ class ReplayConfig:
     """Most megabytes of stored groups; when full, actors wait for credits."""
     order: Literal["fifo", "newest"] = "fifo"
     """Sampling order among fresh groups: "fifo" (oldest first) or "newest"."""
-    drop_zero_variance: bool = True
+    drop_zero_variance: bool = False
     """Dynamic sampling (DAPO's): drop (and count) groups whose rewards are all equal, which carry no
-    signal for group-relative advantages, so that every step trains on groups that do. It never
-    starves the learner: after --replay.drop-patience steps' worth of such groups in a row (a task
-    the policy always or never solves), they are kept until a group with a signal comes. Applies to
-    the asynchronous mode with --algo grpo or rloo and --actor.group-size above 1 (PPO's critic
-    learns from every group); --replay.no-drop-zero-variance keeps every group."""
+    signal for group-relative advantages, so that every step trains on groups that do; a step then
+    waits for more rollouts. It never starves the learner: after --replay.drop-patience steps'
+    worth of such groups in a row (a task the policy always or never solves), they are kept until a
+    group with a signal comes. Applies to the asynchronous mode with --algo grpo or rloo (PPO's
+    critic learns from every group). docs/vision.md and docs/experiments.md measure it."""
     drop_patience: int = 2
     """Equal-reward groups dropped in a row, in steps' worth (× groups per step), before they are kept."""
     log: bool = True

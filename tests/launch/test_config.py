@@ -84,6 +84,17 @@ def test_a_config_written_to_json_reads_back_the_same():
         Config.from_json('{"actors": 0}')
 
 
+def test_equal_reward_groups_are_dropped_for_group_relative_advantages_only():
+    on = ReplayConfig(drop_zero_variance=True)
+    assert Config(replay=on).drops_equal_groups and Config(replay=on, algo="rloo").drops_equal_groups
+    assert not Config(replay=on, algo="ppo").drops_equal_groups  # the critic learns from every group
+    assert not Config().drops_equal_groups  # off unless asked for
+    assert not on.make_buffer(2, 1, 1, drop_equal=False).drop_zero_variance
+    assert ReplayConfig(drop_patience=3).make_buffer(2, 1, 1).drop_limit == 6
+    with pytest.raises(ValueError, match="--replay.drop-patience must be at least 1"):
+        ReplayConfig(drop_patience=0)
+
+
 def test_colocate_is_strictly_on_policy():
     assert Config(colocate=True, max_staleness=8).staleness_bound == 0
     assert Config(max_staleness=8).staleness_bound == 8

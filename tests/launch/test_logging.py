@@ -93,10 +93,12 @@ def test_the_progress_line_shows_groups_reaching_replay_before_the_first_step(tm
     board.note("evaluating v0")
     board.progress(0, groups_in=3)
     board.progress(0)
+    board.progress(0, groups_in=5, dropped=12)
     board.close()
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("] evaluating v0")
     assert "step 0/2 | eval - | groups in 3 | reward" in lines[1] and "groups in" not in lines[2]
+    assert "| groups in 5 (+12 equal, dropped) | reward" in lines[3]
 
 
 def test_a_missing_logging_library_is_refused_at_start(monkeypatch):

@@ -87,3 +87,27 @@ def test_credits_of_an_actor_silent_past_the_lease_go_back():
     now[0] = 150.0
     assert buf.expire() == 0  # heard from 50 s ago
     assert buf.snapshot()["credits_expired"] == 2
+
+
+def test_groups_of_equal_rewards_are_dropped_until_too_many_come_in_a_row():
+    buf = ReplayBuffer(groups_per_step=2, max_staleness=8, drop_zero_variance=True, drop_patience=2)
+    signal = lambda seed: make_entry(seed=seed, rewards=[0.0, 1.0, 0.0, 1.0])  # noqa: E731
+    equal = lambda seed, r=0.0: make_entry(seed=seed, rewards=[r] * 4)  # noqa: E731
+    assert [buf.push(equal(i, r=float(i % 2))) for i in range(4)] == ["filtered"] * 4
+    assert buf.stats.dropped["zero_variance"] == 4 and not buf.queue
+    # 2 steps' worth (4 groups) dropped in a row: a task the policy never or always solves still trains
+    assert [buf.push(equal(i)) for i in range(4, 7)] == ["stored"] * 3
+    assert buf.stats.kept_equal == 3 and len(buf.take(0, 0)) == 2
+    # a group with a signal ends the run of equal ones: they are dropped again
+    assert buf.push(signal(7)) == "stored"
+    assert [buf.push(equal(i)) for i in (8, 9)] == ["filtered"] * 2
+    assert buf.push(signal(10)) == "stored" and buf.push(equal(11)) == "filtered"
+    assert buf.stats.dropped["zero_variance"] == 7 and buf.stats.kept_equal == 3
+    assert buf.stats.received_groups == 5
+
+
+def test_without_the_filter_equal_groups_are_stored():
+    buf = ReplayBuffer(groups_per_step=1, max_staleness=0)
+    assert buf.push(make_entry(rewards=[1.0] * 4)) == "stored"
+    with pytest.raises(ValueError, match="--replay.drop-patience"):
+        ReplayBuffer(groups_per_step=1, max_staleness=0, drop_zero_variance=True, drop_patience=0)

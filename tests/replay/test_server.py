@@ -55,6 +55,21 @@ def test_round_trip_credits_push_and_sharded_sample(server):
         np.testing.assert_array_equal(g.trajectories[0].tokens, sent[g.group_id].trajectories[0].tokens)
 
 
+def test_a_group_of_equal_rewards_is_acknowledged_as_filtered():
+    srv = ReplayServer(ReplayBuffer(groups_per_step=1, max_staleness=1, drop_zero_variance=True),
+                       "tcp://127.0.0.1:*")
+    srv.start()
+    try:
+        actor = ZmqActorReplay(srv.endpoint, actor="a")
+        actor.hello()
+        assert actor.push(make_group(seed=1, rewards=[1.0] * 4)) == "filtered"
+        assert actor.push(make_group(seed=2)) == "stored"
+        stats = srv.snapshot()
+        assert stats["dropped"] == {"zero_variance": 1} and stats["received_groups"] == 1
+    finally:
+        srv.stop()
+
+
 def test_credits_wait_until_the_learner_advances(server):
     actor = ZmqActorReplay(server.endpoint, actor="a")
     for _ in range(9):
