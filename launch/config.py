@@ -145,6 +145,10 @@ class Config:
         if 0 < self.actor.max_lora_rank < self.learner.lora.rank:
             raise ValueError(f"--actor.max-lora-rank ({self.actor.max_lora_rank}) is below --learner.lora.rank "
                              f"({self.learner.lora.rank}): the engine could not load the adapters")
+        if self.replay.drop_zero_variance and (self.algo == "ppo" or self.colocate):
+            raise ValueError("--replay.drop-zero-variance is for group-relative advantages in the asynchronous mode: "
+                             + ("PPO's critic learns from every group (use --algo grpo or rloo)" if self.algo == "ppo"
+                                else "--colocate plays exactly each step's batch, with no replay service to drop from"))
         if self.ray_address and not self.replay.sign:
             raise ValueError("--replay.no-sign with --ray-address: frames between nodes are always signed with the "
                              "run's key (drop --replay.no-sign)")
@@ -169,12 +173,6 @@ class Config:
     def rank_actor(self) -> ActorConfig:
         """--colocate: the actor settings each learner rank plays its share with (launch/scale.py)."""
         return scale.rank_actor(self.actor, self.groups_per_step // self.learners, self.learner.num_gpus)
-
-    @property
-    def drops_equal_groups(self) -> bool:
-        """--replay.drop-zero-variance as the run applies it: for group-relative advantages (grpo,
-        rloo), not for PPO, whose critic learns from every group."""
-        return self.replay.drop_zero_variance and self.algo != "ppo"
 
     @property
     def staleness_bound(self) -> int:

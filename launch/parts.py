@@ -144,7 +144,7 @@ class ReplayPart:
         claim_devices(0, "")
 
         buffer = cfg.replay.make_buffer(cfg.groups_per_step, cfg.staleness_bound, cfg.learners,
-                                        cfg.replay_log_dir, cfg.drops_equal_groups)
+                                        cfg.replay_log_dir)
         bind, advertise = cluster.listen(cfg.listen_host)
         replay = dataclasses.replace(cfg.replay, port=port) if port else cfg.replay
         self.server = ReplayServer(buffer, replay.bind(bind), key=key, advertise=advertise,

@@ -65,8 +65,9 @@ class ReplayConfig:
     signal for group-relative advantages, so that every step trains on groups that do; a step then
     waits for more rollouts. It never starves the learner: after --replay.drop-patience steps'
     worth of such groups in a row (a task the policy always or never solves), they are kept until a
-    group with a signal comes. Applies to the asynchronous mode with --algo grpo or rloo (PPO's
-    critic learns from every group). docs/vision.md and docs/experiments.md measure it."""
+    group with a signal comes. For the asynchronous mode with --algo grpo or rloo (refused with PPO,
+    whose critic learns from every group, and with --colocate). docs/vision.md and
+    docs/experiments.md measure it."""
     drop_patience: int = 2
     """Equal-reward groups dropped in a row, in steps' worth (× groups per step), before they are kept."""
     log: bool = True
@@ -106,17 +107,15 @@ class ReplayConfig:
             raise ValueError(f"--replay.port must be in [0, 65535], got {self.port}")
 
     def make_buffer(self, groups_per_step: int, max_staleness: int, learners: int,
-                    log_dir: str | None = None, drop_equal: bool | None = None) -> ReplayBuffer:
-        """The buffer, keeping its log in `log_dir` (default --replay.log-dir; None: no log).
-        `drop_equal`: whether the run's algorithm drops groups of equal rewards (default
-        --replay.drop-zero-variance)."""
+                    log_dir: str | None = None) -> ReplayBuffer:
+        """The buffer, keeping its log in `log_dir` (default --replay.log-dir; None: no log)."""
         from replay.log import ReplayLog
 
         log_dir = log_dir or self.log_dir
         log = ReplayLog(log_dir, fsync=self.fsync, prune=not self.keep_log) if log_dir else None
         return ReplayBuffer(groups_per_step, max_staleness, learners, self.capacity, self.capacity_mb << 20,
-                            self.order, self.drop_zero_variance if drop_equal is None else drop_equal, log,
-                            lease_s=self.lease_s, drop_patience=self.drop_patience)
+                            self.order, self.drop_zero_variance, log, lease_s=self.lease_s,
+                            drop_patience=self.drop_patience)
 
     def bind(self, address: str | None = None) -> str:
         """The endpoint to bind: on `address` (resolved by the launcher), else on --replay.host or loopback."""

@@ -86,10 +86,13 @@ def test_a_config_written_to_json_reads_back_the_same():
 
 def test_equal_reward_groups_are_dropped_for_group_relative_advantages_only():
     on = ReplayConfig(drop_zero_variance=True)
-    assert Config(replay=on).drops_equal_groups and Config(replay=on, algo="rloo").drops_equal_groups
-    assert not Config(replay=on, algo="ppo").drops_equal_groups  # the critic learns from every group
-    assert not Config().drops_equal_groups  # off unless asked for
-    assert not on.make_buffer(2, 1, 1, drop_equal=False).drop_zero_variance
+    assert Config(replay=on).replay.make_buffer(2, 1, 1).drop_zero_variance
+    assert Config(replay=on, algo="rloo").replay.make_buffer(2, 1, 1).drop_zero_variance
+    with pytest.raises(ValueError, match="PPO's critic learns from every group"):
+        Config(replay=on, algo="ppo")
+    with pytest.raises(ValueError, match="--colocate plays exactly each step's batch"):
+        Config(replay=on, colocate=True)
+    assert not Config().replay.make_buffer(2, 1, 1).drop_zero_variance  # off unless asked for
     assert ReplayConfig(drop_patience=3).make_buffer(2, 1, 1).drop_limit == 6
     with pytest.raises(ValueError, match="--replay.drop-patience must be at least 1"):
         ReplayConfig(drop_patience=0)
