@@ -79,7 +79,8 @@ def adapter_shapes(model_path: str, lora) -> dict:
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = model_class(config).from_config(config)
-    return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(with_lora(model, lora)).items()}
+    model = with_lora(model, lora)  # an adapted output head tied to the embeddings: its own A and B only
+    return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model, save_embedding_layers=False).items()}
 
 
 def check_adapter(tensors: dict, shapes: dict, max_rank: int, version: int) -> None:

@@ -3,8 +3,8 @@
 Scripts written for Thinking Machines' Tinker (the `tinker` SDK, tested with 0.38) train on this
 machine when pointed at the service: `TINKER_BASE_URL=http://127.0.0.1:8000` and the same
 `TINKER_API_KEY` (a `tml-` key of your choosing) in both shells. The service trains LoRA adapters
-on `--model` with Tandem's learner code and samples with its torch engine (serve/); docs/tinker.md
-says what is supported. It listens on loopback unless `--host` says otherwise, and prints
+on `--model` with Tandem's learner code, on `--learners` FSDP ranks, and samples with Tandem's
+engines (`--actor.engine torch` or `vllm`) (serve/); docs/tinker.md says what is supported. It listens on loopback unless `--host` says otherwise, and prints
 `listening on http://HOST:PORT` once it accepts requests (with `--port 0`, a free port).
 """
 
@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import tyro
+
+from actors.actor import ActorConfig
 
 
 @dataclass
@@ -30,7 +33,9 @@ class TinkerArgs:
     api_key_file: str | None = None
     """A file holding the API key the service accepts (default: the TINKER_API_KEY variable)."""
     learners: int = 1
-    """Learner ranks. The service trains in its own process: only 1 is supported."""
+    """Learner ranks: above 1, the base model is sharded over that many FSDP ranks (processes on
+    this host, one GPU each where there are GPUs) and each forward_backward's datums are split
+    between them (serve/ranks.py)."""
     chunk_datums: int = 1024
     """Datums per forward_backward request: the SDK splits larger batches into parallel chunks."""
     poll_s: float = 20.0
@@ -47,10 +52,14 @@ class TinkerArgs:
     keep_s: float = 600.0
     """How long a finished request's result is kept for the client to retrieve (at most 60 s once it
     has been retrieved); then it is dropped and a retrieve answers 404."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The sampling engines: --actor.engine torch or vllm, and that engine's options
+    (--actor.dtype, --actor.memory-fraction, --actor.kv-cache-gb, --actor.max-lora-rank, ...).
+    The settings of actors playing environments (group size, temperature, ...) do not apply."""
 
     def __post_init__(self) -> None:
-        if self.learners != 1:
-            raise ValueError(f"--learners {self.learners}: the Tinker service trains in one process; use --learners 1")
+        if self.learners < 1:
+            raise ValueError(f"--learners {self.learners}: give at least 1 learner rank")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} is no TCP port")
         if self.session_timeout_s < 30 or self.seq_wait_s <= 0 or self.keep_s < 60:
@@ -87,14 +96,16 @@ def main(args: TinkerArgs) -> None:
 
     from policy.load import resolve_model
     from serve.app import make_app
+    from serve.ranks import start_ranks
     from serve.service import Service
 
     key = api_key(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     path = resolve_model(args.model)
+    ranks, procs = start_ranks(args.learners, path, args.threads) if args.learners > 1 else (None, [])
     service = Service(path, args.model, Path(args.logdir), threads=args.threads,
                       session_timeout_s=args.session_timeout_s, seq_wait_s=args.seq_wait_s,
-                      keep_s=args.keep_s)
+                      keep_s=args.keep_s, ranks=ranks, actor=args.actor)
     app = make_app(service, key, chunk_datums=args.chunk_datums, poll_s=args.poll_s,
                    max_body_bytes=args.max_body_mb << 20)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -103,11 +114,45 @@ def main(args: TinkerArgs) -> None:
     sock.listen(2048)  # connections wait in the backlog until the server accepts them
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=75))
-    print(f"serving {args.model} ({path}); listening on http://{host}:{port}", flush=True)
+    failure = watch_ranks(ranks, procs, server)
+    print(f"serving {args.model} ({path}) on {args.learners} learner rank(s); listening on http://{host}:{port}",
+          flush=True)
     try:
         server.run(sockets=[sock])
     finally:
+        if failure:  # the ranks cannot meet to close: end them and this process now
+            for p in procs:
+                p.kill()
+            os._exit(1)
         service.close()
+        for p in procs:
+            p.wait(timeout=60)
+
+
+def watch_ranks(ranks, procs, server) -> list[str]:
+    """Stop `server` when a learner rank exits or the ranks fall out of step (serve/ranks.py); the
+    returned list then holds the reason."""
+    import threading
+
+    failure: list[str] = []
+
+    def stop(reason: str) -> None:
+        if not failure:
+            failure.append(reason)
+            print(f"error: {reason}; stopping the service", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    def watch() -> None:
+        while not server.should_exit:
+            for r, p in enumerate(procs, start=1):
+                if p.poll() is not None:
+                    return stop(f"learner rank {r} exited with code {p.returncode} (its traceback is above)")
+            time.sleep(0.5)
+
+    if ranks is not None:
+        ranks.on_failure = stop
+        threading.Thread(target=watch, name="tinker-ranks", daemon=True).start()
+    return failure
 
 
 if __name__ == "__main__":

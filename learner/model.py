@@ -71,9 +71,11 @@ def _parameters_on_meta():
         torch.nn.Module.register_parameter = register
 
 
-def _add_adapters(base, lora: LoraSpec, critic: bool):
+def _add_adapters(base, lora: LoraSpec | None, critic: bool):
     from policy.load import with_lora
 
+    if lora is None:  # the base alone: adapters come later (serve/trainer.py adds one per client)
+        return base
     model = with_lora(base, lora)
     if critic:
         # PEFT marks an added adapter frozen; the critic is trained, so mark it trainable.
@@ -83,17 +85,22 @@ def _add_adapters(base, lora: LoraSpec, critic: bool):
 
 
 def decoder_layers(model) -> list:
-    """The transformer layers of a PEFT-wrapped model, each of which becomes one FSDP unit: a
-    causal LM's decoder layers; a vision-language model's decoder layers and its vision tower's
-    (Idefics3's `layers`, Qwen-VL's `blocks`)."""
-    return [layer for name, stack in model.base_model.model.named_modules()
+    """The transformer layers of a model, PEFT-wrapped or not, each of which becomes one FSDP
+    unit: a causal LM's decoder layers; a vision-language model's decoder layers and its vision
+    tower's (Idefics3's `layers`, Qwen-VL's `blocks`)."""
+    from peft import PeftModel
+
+    inner = model.base_model.model if isinstance(model, PeftModel) else model
+    return [layer for name, stack in inner.named_modules()
             if isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks")
             for layer in stack]
 
 
-def build_policy(source, lora: LoraSpec, mesh, device: torch.device, dtype: torch.dtype,
+def build_policy(source, lora: LoraSpec | None, mesh, device: torch.device, dtype: torch.dtype,
                  critic: bool = False, checkpointing: bool = False):
-    """The PEFT policy sharded over `mesh`, and PPO's value head (None without `critic`).
+    """The PEFT policy sharded over `mesh`, and PPO's value head (None without `critic`). With
+    `lora` None, the base model alone, sharded (no `critic`): adapters added to it later are plain
+    tensors beside FSDP's shards, the same on every rank (serve/trainer.py).
 
     `source` is a model path (weights from rank 0's checkpoint) or a transformers config (a
     randomly initialised model of that shape: benchmarks of sizes without a checkpoint). Every
@@ -113,6 +120,8 @@ def build_policy(source, lora: LoraSpec, mesh, device: torch.device, dtype: torc
     with _parameters_on_meta():
         base = model_class(config).from_config(config, dtype=dtype)
         model = _add_adapters(base, lora, critic)
+        if lora is None:
+            base.requires_grad_(False)  # frozen before sharding: FSDP then reduces no base gradient
     if checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     buffers = {name: b.clone() for name, b in model.named_buffers()}
@@ -138,7 +147,7 @@ def build_policy(source, lora: LoraSpec, mesh, device: torch.device, dtype: torc
     return model, value_head
 
 
-def _rank0_state_dict(path: str, lora: LoraSpec, dtype: torch.dtype, critic: bool) -> dict:
+def _rank0_state_dict(path: str, lora: LoraSpec | None, dtype: torch.dtype, critic: bool) -> dict:
     """The full state dict of the PEFT model on CPU: the checkpoint's weights and PEFT's fresh
     adapters, drawn from the current RNG state without advancing it."""
     from policy.load import load_model

@@ -329,7 +329,9 @@ class Learner(Forward):
         `full_tensor()` is the parameter itself, and a snapshot must not move."""
         from peft import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(self.model, adapter_name=POLICY)  # never the critic
+        # never the critic; an adapted output head tied to the embeddings: its A and B, not the frozen
+        # embedding matrix (what actors/vllm_checks.py adapter_shapes expects)
+        state = get_peft_model_state_dict(self.model, adapter_name=POLICY, save_embedding_layers=False)
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to("cpu", dtype, copy=True)
                 for k, v in state.items()}
 

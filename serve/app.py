@@ -316,6 +316,7 @@ def make_app(service: Service, api_key: str, chunk_datums: int = 1024, poll_s: f
                             "served here; ask for prompt_logprobs (compute_logprobs) or sampled log-probs")
         try:  # refused now, not in the worker
             service.sampler.stop_ids(p.stop)
+            service.sampler.check_length(len(prompt), limit)
             SamplingParams(limit, (), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
         except ValueError as exc:
             raise UserError(str(exc)) from None

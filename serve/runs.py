@@ -89,10 +89,11 @@ def weights_info(service: Service, path: str) -> dict:
 
 
 def session_ids(service: Service) -> list[str]:
-    """This process's sessions and the recorded runs' sessions, oldest first."""
-    ids = dict.fromkeys(session_of(r) for r in service.store.run_ids())
-    created = {sid: s["created"] for sid, s in list(service.sessions.items())}
-    return sorted(dict.fromkeys([*created, *ids]), key=lambda sid: (sid in created, created.get(sid, 0.0)))
+    """Every session recorded in the logdir (this process's and earlier ones'), and those named
+    only by a recorded run (an older logdir's), oldest first."""
+    recorded = service.store.session_ids()
+    return list(dict.fromkeys([*(session_of(r) for r in service.store.run_ids() if session_of(r) not in recorded),
+                               *recorded]))
 
 
 def sessions(service: Service, limit: int, offset: int) -> dict:
@@ -103,7 +104,7 @@ def sessions(service: Service, limit: int, offset: int) -> dict:
 def session(service: Service, session_id: str) -> dict:
     """A `types.GetSessionResponse`: the session's training runs and its live sampling sessions."""
     runs = [r for r in service.store.run_ids() if session_of(r) == session_id]
-    known = service.sessions.get(session_id)
+    known = service.store.session(session_id)
     if known is None and not runs:
         raise NotFound(f"no session {session_id!r} on this service")
     samplers = [k for k in list(service.samplers) if k.rsplit(":sample:", 1)[0] == session_id]

@@ -1,10 +1,14 @@
-"""Sampling for the Tinker API on Tandem's torch engine (actors/torch_engine.py).
+"""Sampling for the Tinker API on Tandem's engines: the torch engine (actors/torch_engine.py) or
+vLLM (actors/vllm_engine.py), as `--actor.engine` says.
 
-One engine per LoRA shape (rank and adapted modules), loaded when first needed; a sampling
+One engine per LoRA shape (rank and adapted modules), started when first needed (the base model
+runs on any engine already started, with an all-zero adapter of its shape); a sampling
 session names an adapter (its tensors: a snapshot of a training client, a saved checkpoint, or
-none for the base model) and the engine loads it before the session's request when another
-is applied. The engine runs the LoRA branch unmerged (`merge_lora=False`): folding an adapter on
-a tied output head into its weight would change the input embeddings too.
+none for the base model) and the engine loads it, as the weight channel's adapters are loaded
+into actors (`load_adapter`: vLLM gets it in PEFT format from tmpfs under a new LoRA id),
+before the session's request when another is applied. The torch engine runs the LoRA branch
+unmerged (`merge_lora=False`): folding an adapter on a tied output head into its weight would
+change the input embeddings too.
 
 A request's `num_samples` completions are one batch of the engine, each seeded from the
 request's seed and its index when a seed is given (the engine's reproducible per-request
@@ -12,7 +16,8 @@ streams), from the engine's generator otherwise. Stop tokens are the engine's; s
 applied to the decoded text after each token, a sequence ending with the token that completed
 the string. The sampled log-probs are those of the distribution sampled (after temperature,
 top-k and top-p). Prompt log-probs (`compute_logprobs`) are the learner's log-probs
-(learner/logprobs.py) under the same weights.
+(learner/logprobs.py) under the same weights: with vLLM sampling, a torch engine of the same
+shape is started for them when first asked.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine import SamplingParams, stream_seed
+from actors.engines import make_engine
 from actors.torch_engine import TorchEngine
 from learner.logprobs import target_logprobs
 from policy.load import LoraSpec, load_tokenizer
@@ -46,33 +52,51 @@ class Sampler:
 
     Usage::
 
-        sampler = Sampler(model_dir)
+        sampler = Sampler(model_dir)                  # or Sampler(model_dir, "vllm", options, "cpu")
         seqs, prompt_lp = sampler.sample(weights, prompt, n=4, max_tokens=16, temperature=1.0,
                                          top_k=-1, top_p=1.0, stop=None, seed=7, prompt_logprobs=False)
     """
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, engine: str = "torch", options: dict | None = None,
+                 device: str = "cpu") -> None:
+        """`engine`, `options`, `device`: `make_engine`'s (actors/engines.py), from the --actor section."""
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path)
-        self.engines: dict[tuple, TorchEngine] = {}
-        self.applied: dict[tuple, str] = {}
+        self.kind, self.device = engine, device
+        self.options = dict(options or {})
+        if engine == "torch":
+            self.options["merge_lora"] = False
+        self.engines: dict[tuple, object] = {}  # (kind, shape) -> engine
+        self.applied: dict[tuple, str] = {}  # shape -> the key of the weights applied
+        self.specs: dict[tuple, LoraSpec] = {}  # shape -> its LoraSpec
 
-    def _engine(self, weights: Weights) -> TorchEngine:
-        spec = weights.spec or LoraSpec(rank=1, target_modules=["q_proj"])
-        shape = (spec.rank, spec.alpha, tuple(spec.target_modules))
+    def _engine(self, weights: Weights, kind: str | None = None):
+        """The engine of `kind` (default: the sampler's) for `weights`' LoRA shape, with them applied."""
+        kind = kind or self.kind
+        spec = weights.spec
+        if spec is None:  # the base model: any engine of this kind, with an adapter that adds nothing
+            spec = next((s for k, s in self.specs.items() if k[0] == kind), LoraSpec(rank=1, target_modules=["q_proj"]))
+        shape = (kind, spec.rank, spec.alpha, tuple(spec.target_modules))
         engine = self.engines.get(shape)
         if engine is None:
-            engine = self.engines[shape] = TorchEngine(self.model_path, spec, merge_lora=False)
-            self.applied[shape] = "identity" if weights.spec is None else ""
+            options = self.options if kind == self.kind else {"merge_lora": False}
+            engine = self.engines[shape] = make_engine(kind, self.model_path, spec, device=self.device, **options)
+            self.specs[shape] = spec
+            self.applied[shape] = "base"  # version 0: no adapter (vLLM), or one whose B is zero (torch)
         if self.applied[shape] != weights.key:
             tensors = weights.tensors
             if tensors is None:  # the base model: the adapter's B is zero, its update nothing
-                from peft import get_peft_model_state_dict
-
-                tensors = {k: torch.zeros_like(v) for k, v in get_peft_model_state_dict(engine.model).items()}
+                tensors = zero_adapter(self.model_path, spec)
             engine.load_adapter(engine.version + 1, tensors)
             self.applied[shape] = weights.key
         return engine
+
+    def check_length(self, prompt: int, max_tokens: int) -> None:
+        """Refuse a request longer than a vLLM engine's context (--actor.max-tokens)."""
+        limit = self.options.get("max_model_len") if self.kind == "vllm" else None
+        if limit is not None and prompt + max_tokens > limit:
+            raise ValueError(f"a prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the sampling "
+                             f"engine's context of {limit} tokens (--actor.max-tokens)")
 
     def stop_ids(self, stop) -> tuple[tuple[int, ...], list[str]]:
         """(stop tokens, stop strings) of the API's `stop`: None stops on eos; [] on nothing."""
@@ -102,8 +126,8 @@ class Sampler:
         params = SamplingParams(max_tokens, stop_ids, temperature=temperature, top_k=top_k, top_p=top_p)
         seeds = None if seed is None else [stream_seed(seed, i) for i in range(n)]
         outs = engine.generate([list(prompt)] * n, params, seeds=seeds)
-        seqs = [self._cut(Sequence(o.tokens, o.logprobs, o.stopped), stop_strings) for o in outs]
-        return seqs, (self.prompt_logprobs(engine, prompt) if prompt_logprobs else None)
+        seqs = [self._cut(Sequence(list(o.tokens), list(o.logprobs), o.stopped), stop_strings) for o in outs]
+        return seqs, (self.prompt_logprobs(self._engine(weights, "torch"), prompt) if prompt_logprobs else None)
 
     def _cut(self, seq: Sequence, stop_strings: list[str]) -> Sequence:
         """`seq` up to and including the token whose text completes the first stop string."""
@@ -129,3 +153,11 @@ class Sampler:
         for engine in self.engines.values():
             engine.close()
         self.engines.clear()
+
+
+def zero_adapter(model_path: str, spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """An adapter of shape `spec` that changes nothing (all zeros): the base model, for an engine
+    that always applies one. Shapes from a model on the meta device: no weights read."""
+    from actors.vllm_checks import adapter_shapes
+
+    return {k: torch.zeros(shape) for k, shape in adapter_shapes(model_path, spec).items()}

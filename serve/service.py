@@ -55,6 +55,13 @@ RETRIEVED_KEEP_S = 60.0
 """How long a result stays after its first retrieval, for a client whose poll's answer was lost."""
 
 
+def sampler_device(actor) -> str:
+    """Where the sampling engines run: a GPU where this process sees one (unless --actor.device cpu)."""
+    import torch
+
+    return "cuda" if actor.device != "cpu" and torch.cuda.is_available() else "cpu"
+
+
 class Result(Future):
     """A request's future that knows when its result was set (`Service` drops it `keep_s` later)."""
 
@@ -107,15 +114,17 @@ class Service:
     """
 
     def __init__(self, model_path: str, model_name: str, logdir: Path, threads: int = 0,
-                 session_timeout_s: float = 600.0, seq_wait_s: float = 300.0, keep_s: float = 600.0) -> None:
+                 session_timeout_s: float = 600.0, seq_wait_s: float = 300.0, keep_s: float = 600.0,
+                 ranks=None, actor=None) -> None:
         from serve.sampler import Sampler
         from serve.trainer import Trainer
 
         self.model_path, self.model_name = model_path, model_name
         self.logdir = Path(logdir)
         self.store = Store(self.logdir)
-        self.trainer = Trainer(model_path, threads)
-        self.sampler = Sampler(model_path)
+        self.trainer = Trainer(model_path, threads, ranks=ranks)  # ranks: serve/ranks.py, --learners above 1
+        self.sampler = Sampler(model_path) if actor is None else Sampler(  # actor: the --actor section
+            model_path, actor.engine, actor.engine_options(), sampler_device(actor))
         self.sessions: dict[str, dict] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, SamplingSession] = {}
@@ -259,6 +268,7 @@ class Service:
         sid = f"session-{uuid.uuid4().hex[:16]}"
         self.sessions[sid] = {"created": time.time(), "heartbeat": time.time(), "finished": None,
                               "metadata": metadata or {}, "display_name": display_name}
+        self.store.add_session(sid, self.sessions[sid]["created"], metadata, display_name)
         return sid
 
     def session(self, sid: str) -> dict:
@@ -282,6 +292,7 @@ class Service:
             if s["finished"] is not None:
                 return
             s["finished"] = reason
+            self.store.finish_session(sid, reason)
             self._queue.put((Future(), lambda: self._free(sid)))
 
     def _free(self, sid: str) -> dict:
@@ -326,6 +337,7 @@ class Service:
         while not self._stop.wait(period):
             try:
                 self.reap()
+                self.store.write_last_requests()
             except Exception:  # noqa: BLE001 - the reaper must outlive a bad state; it is logged
                 log.exception("reaping failed")
 
@@ -410,6 +422,9 @@ class Service:
 
     def close(self) -> None:
         self._stop.set()
+        self.store.write_last_requests()
         self._queue.put(None)
         self._worker.join(timeout=60)
+        if not self._worker.is_alive():  # the worker is the only caller of the trainer
+            self.trainer.close()
         self.sampler.close()

@@ -1,7 +1,12 @@
-"""The service's records in its logdir: the training runs it created and the checkpoints it saved.
+"""The service's records in its logdir: the sessions and training runs it created, the checkpoints it
+saved, and when each run's requests last came.
 
-`<logdir>/training_runs.jsonl` gets a line per training client created (its id, base model, LoRA
-config, session, user metadata, time); `<logdir>/checkpoints.jsonl` a line per save
+`<logdir>/sessions.jsonl` gets a line per session created (its id, user metadata, display name,
+time) and one when it finishes (why, when); `<logdir>/training_runs.jsonl` a line per training
+client created (its id, base model, LoRA config, session, user metadata, time);
+`<logdir>/last_requests.json` maps each run to when a request of it last came, rewritten whole
+(atomically) by the service every few seconds while requests come and at its end;
+`<logdir>/checkpoints.jsonl` a line per save
 (`{"path", "time", "step"}`) and per deletion (`{"path", "deleted"}`), the later line about a path
 winning (a name saved again after its deletion is back). Both are read at start, so a restarted
 service lists, describes and loads what an earlier one saved. A checkpoint is the directory
@@ -32,7 +37,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 """A tinker:// path's kind -> the API's checkpoint_type."""
 
-RUNS_FILE, CHECKPOINTS_FILE = "training_runs.jsonl", "checkpoints.jsonl"
+RUNS_FILE, CHECKPOINTS_FILE, SESSIONS_FILE = "training_runs.jsonl", "checkpoints.jsonl", "sessions.jsonl"
+LAST_REQUESTS_FILE = "last_requests.json"
 
 
 class NotFound(UserError):
@@ -62,8 +68,9 @@ class Saved:
     step: int
 
 
-def read_lines(file: Path) -> list[dict]:
-    """The JSON objects of a .jsonl file (none if it is absent); a torn last line is skipped."""
+def read_lines(file: Path, key: str) -> list[dict]:
+    """The JSON objects of a .jsonl file that name a `key` (none if it is absent); a torn last line
+    is skipped."""
     if not file.is_file():
         return []
     records = []
@@ -73,7 +80,7 @@ def read_lines(file: Path) -> list[dict]:
         except ValueError:
             log.warning("%s line %d is not JSON (a write cut short?): skipped", file, n)
             continue
-        if isinstance(record, dict) and isinstance(record.get("path", record.get("training_run_id")), str):
+        if isinstance(record, dict) and isinstance(record.get(key), str):
             records.append(record)
     return records
 
@@ -96,12 +103,27 @@ class Store:
         self.root = self.logdir / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._runs: dict[str, dict] = {r["training_run_id"]: r for r in read_lines(self.logdir / RUNS_FILE)}
+        self._runs: dict[str, dict] = {r["training_run_id"]: r
+                                       for r in read_lines(self.logdir / RUNS_FILE, "training_run_id")}
+        self._sessions: dict[str, dict] = {}  # session id -> its record, finish merged in
+        for record in read_lines(self.logdir / SESSIONS_FILE, "session_id"):
+            self._sessions.setdefault(record["session_id"], {}).update(record)
         self._saved: dict[str, Saved] = {}  # path -> its latest save, in save order
         self._deleted: dict[str, float] = {}  # path -> when it was deleted
-        self._last_request: dict[str, float] = {}  # run id -> when a request of it last came (this process)
-        for record in read_lines(self.logdir / CHECKPOINTS_FILE):
+        self._last_request: dict[str, float] = self._read_last_requests()  # run id -> when a request came
+        self._unwritten = False  # a request came since last_requests.json was written
+        for record in read_lines(self.logdir / CHECKPOINTS_FILE, "path"):
             self._apply(record)
+
+    def _read_last_requests(self) -> dict[str, float]:
+        file = self.logdir / LAST_REQUESTS_FILE
+        try:
+            times = json.loads(file.read_text()) if file.is_file() else {}
+        except ValueError:
+            log.warning("%s is not JSON: the runs' last request times start from their saves", file)
+            return {}
+        return {k: float(v) for k, v in times.items() if isinstance(k, str) and isinstance(v, (int, float))} \
+            if isinstance(times, dict) else {}
 
     def _apply(self, record: dict) -> None:
         path = record["path"]
@@ -126,8 +148,45 @@ class Store:
             self._last_request[run_id] = record["created"]
 
     def touch(self, run_id: str) -> None:
-        """A request of the run came now."""
+        """A request of the run came now (on disk at the next `write_last_requests`)."""
         self._last_request[run_id] = time.time()
+        self._unwritten = True
+
+    def write_last_requests(self) -> None:
+        """Rewrite last_requests.json if a request came since it was written (a new file renamed
+        over the old one: a reader never sees half of it)."""
+        if not self._unwritten:
+            return
+        self._unwritten = False
+        file = self.logdir / LAST_REQUESTS_FILE
+        tmp = file.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(dict(self._last_request)))
+        tmp.replace(file)
+
+    # -- sessions ---------------------------------------------------------------
+    def add_session(self, session_id: str, created: float, metadata: dict | None, display_name: str | None) -> None:
+        record = {"session_id": session_id, "created": created, "metadata": metadata or {},
+                  "display_name": display_name}
+        with self._lock:
+            self._append(SESSIONS_FILE, record)
+            self._sessions[session_id] = dict(record)
+
+    def finish_session(self, session_id: str, reason: str) -> None:
+        record = {"session_id": session_id, "finished": reason, "finished_at": time.time()}
+        with self._lock:
+            self._append(SESSIONS_FILE, record)
+            self._sessions.setdefault(session_id, {}).update(record)
+
+    def session(self, session_id: str) -> dict | None:
+        """The recorded session (created, metadata, display_name, finished), or None."""
+        with self._lock:
+            record = self._sessions.get(session_id)
+            return dict(record) if record is not None else None
+
+    def session_ids(self) -> list[str]:
+        """Every session recorded, oldest first."""
+        with self._lock:
+            return sorted(self._sessions, key=lambda sid: self._sessions[sid].get("created", 0.0))
 
     def last_request(self, run_id: str) -> float:
         """When a request of the run last came: in this process, else its latest save or creation."""

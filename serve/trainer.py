@@ -89,18 +89,34 @@ class Trainer:
 
     Usage::
 
-        trainer = Trainer(model_dir)
+        trainer = Trainer(model_dir)                       # or Trainer(model_dir, ranks=...) on rank 0
         trainer.create("m1", LoraChoice(rank=8, seed=0))   # PEFT adapter names: no "lora" in them
         out = trainer.forward_backward("m1", data, "cross_entropy", {}, forward_only=False)
         trainer.optim_step("m1", {"learning_rate": 1e-3})
         trainer.save("m1", Path("ckpt"), optimizer=True, base_model=model_dir)
+        trainer.close()
+
+    The public calls check the request, send it to the other ranks (rank 0, `ranks` given) and
+    run it; the other ranks run what rank 0 sends through `apply`.
     """
 
-    def __init__(self, model_path: str, threads: int = 0) -> None:
+    def __init__(self, model_path: str, threads: int = 0, ranks=None, dtype: str = "auto") -> None:
+        from learner.model import resolve_dtype
+
         if threads:
             torch.set_num_threads(threads)
         self.model_path = model_path
-        self.base = load_model(model_path)
+        self.ranks = ranks  # serve/ranks.py Ranks, or None: one process
+        if ranks is None:
+            self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+            self.dtype = resolve_dtype(dtype, self.device)
+            self.base = load_model(model_path, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
+        else:
+            from learner.model import build_policy
+
+            self.device = ranks.device
+            self.dtype = resolve_dtype(dtype, self.device)
+            self.base, _ = build_policy(model_path, None, ranks.mesh, self.device, self.dtype)
         self.vocab = self.base.get_output_embeddings().weight.shape[0]
         self.pad = pad_id(self.base.config)
         self.kinds = linear_kinds(self.base)  # before PEFT adds linear layers of its own
@@ -110,25 +126,80 @@ class Trainer:
         self.optimizers: dict[str, torch.optim.AdamW] = {}
         self.steps: dict[str, int] = {}
 
+    @property
+    def world(self) -> int:
+        return 1 if self.ranks is None else self.ranks.world
+
+    def _lead(self, op: str, **args) -> None:
+        """Rank 0: send call `op` to the other ranks (nothing with one rank, or on the others)."""
+        if self.ranks is not None and self.ranks.rank == 0:
+            self.ranks.lead(op, args)
+
+    def apply(self, op: str, args: dict) -> None:
+        """Ranks 1..N-1: run call `op` as rank 0 sent it (serve/ranks.py `follow`)."""
+        from serve.wire import decode_data
+
+        if op == "create":
+            self._create(args["name"], LoraChoice(**args["choice"]), args["seed"])
+        elif op == "delete":
+            self.delete(args["name"])
+        elif op == "forward_backward":
+            self._forward_backward(args["name"], decode_data(args["data"]), args["loss"], args["config"],
+                                   args["forward_only"])
+        elif op == "optim_step":
+            self._optim_step(args["name"], args["adam"])
+        elif op == "load":
+            self._load(args["name"], Path(args["path"]), args["optimizer"])
+        else:
+            raise ValueError(f"unknown call {op!r} from rank 0")
+
+    def _collective(self, op: str, run, **args):
+        """Send `op` and run it here: an error after the others have it leaves the ranks out of
+        step, so with several ranks it stops the service (Ranks.fail) besides failing the call."""
+        self._lead(op, **args)
+        try:
+            return run()
+        except Exception as exc:
+            if self.world > 1:
+                self.ranks.fail(f"{op} failed on rank 0 after the other ranks began it: {type(exc).__name__}: {exc}")
+            raise
+
+    def close(self) -> None:
+        """Rank 0: the other ranks stop and the group ends."""
+        if self.ranks is not None and self.ranks.rank == 0:
+            self.ranks.lead("stop", {})
+            self.ranks.close(clean=True)
+
     # -- adapters ---------------------------------------------------------------
     def create(self, name: str, choice: LoraChoice) -> None:
         """A fresh adapter `name` (A Kaiming-uniform drawn from `choice.seed`, B zero) and its optimizer."""
-        from peft import get_peft_model
-
         if choice.rank < 1:
             raise UserError(f"LoRA rank must be at least 1, got {choice.rank}")
+        target_modules(self.kinds, choice)  # refused here, before any rank moves
+        seed = choice.seed
+        if seed is None and self.world > 1:  # every rank must draw the same adapter
+            seed = int(torch.randint(0, 2**62, ()))
+        self._lead("create", name=name, choice=choice.to_dict(), seed=seed)
+        self._create(name, choice, seed)
+
+    def _create(self, name: str, choice: LoraChoice, seed: int | None) -> None:
+        from peft import get_peft_model
+
         spec = LoraSpec(rank=choice.rank, alpha=LORA_ALPHA, target_modules=target_modules(self.kinds, choice))
         with torch.random.fork_rng(devices=[]):
-            if choice.seed is not None:
-                torch.manual_seed(choice.seed)
+            if seed is not None:
+                torch.manual_seed(seed)
             if self.peft is None:
                 self.peft = get_peft_model(self.base, spec.peft_config(), adapter_name=name)
             else:
                 self.peft.add_adapter(name, spec.peft_config())
         self.specs[name], self.choices[name] = spec, choice
+        self._new_optimizer(name)
+        self.steps[name] = 0
+
+    def _new_optimizer(self, name: str) -> None:
         self.optimizers[name] = torch.optim.AdamW(self._params(name), lr=0.0, betas=(0.9, 0.95), eps=1e-12,
                                                   weight_decay=0.0)
-        self.steps[name] = 0
 
     def delete(self, name: str) -> None:
         """Free adapter `name`: its LoRA layers, optimizer state and step count (a finished session's)."""
@@ -136,6 +207,7 @@ class Trainer:
 
         if name not in self.specs:
             return
+        self._lead("delete", name=name)
         with warnings.catch_warnings():  # "adapter ... was active ...": each call activates its own anyway
             warnings.simplefilter("ignore", UserWarning)
             self.peft.delete_adapter(name)
@@ -154,22 +226,20 @@ class Trainer:
         self.peft.set_adapter(name)  # also marks only this adapter's parameters trainable
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """The adapter's tensors under PEFT's state-dict names (a copy)."""
+        """The adapter's tensors under PEFT's state-dict names (a copy, on the CPU)."""
         from peft import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(self.peft, adapter_name=name, save_embedding_layers=False)
-        return {k: v.detach().clone() for k, v in state.items()}
+        # From the adapter's parameters, not the model's state_dict(): under FSDP that would run its
+        # hooks on this rank alone.
+        params = {n: p for n, p in self.peft.named_parameters() if f".{name}." in n}
+        state = get_peft_model_state_dict(self.peft, state_dict=params, adapter_name=name, save_embedding_layers=False)
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     # -- training ---------------------------------------------------------------
-    def _batch(self, data) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]]]:
-        """inputs, targets, attention [b, T] (right-padded) and each datum's inputs as tensors."""
+    def _check(self, data, loss: str) -> None:
+        """Refuse data this loss cannot train on (UserError), before any rank moves."""
         if not data:
             raise UserError("forward_backward got no data")
-        width = max(len(d.tokens) for d in data)
-        inputs = torch.full((len(data), width), self.pad, dtype=torch.long)
-        targets = torch.zeros((len(data), width), dtype=torch.long)
-        attention = torch.zeros((len(data), width), dtype=torch.long)
-        per_datum = []
         for i, d in enumerate(data):
             n = len(d.tokens)
             if n == 0:
@@ -188,54 +258,128 @@ class Trainer:
                 if bad.size:
                     raise UserError(f"datum {i}: {what} holds token id {int(bad[0])}, outside the "
                                     f"vocabulary [0, {self.vocab})")
+            missing = [k for k in INPUTS[loss][1:] if k not in d.inputs
+                       and not (loss == "cross_entropy" and k == "weights")]
+            if missing:
+                raise UserError(f"datum {i}: {loss} needs loss_fn_inputs {missing}")
+
+    def _batch(self, data) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """inputs, targets, attention [b, T] (right-padded, on the device) and each datum's inputs."""
+        width = max(len(d.tokens) for d in data)
+        inputs = torch.full((len(data), width), self.pad, dtype=torch.long)
+        targets = torch.zeros((len(data), width), dtype=torch.long)
+        attention = torch.zeros((len(data), width), dtype=torch.long)
+        per_datum = []
+        for i, d in enumerate(data):
+            n = len(d.tokens)
             inputs[i, :n] = torch.tensor(d.tokens, dtype=torch.long)
-            targets[i, :n] = torch.from_numpy(target.astype(np.int64))
+            targets[i, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
             attention[i, :n] = 1
-            per_datum.append({k: torch.from_numpy(v.astype(np.float32)) for k, v in d.inputs.items()
+            per_datum.append({k: torch.from_numpy(v.astype(np.float32)).to(self.device) for k, v in d.inputs.items()
                               if k != "target_tokens"})
-        return inputs, targets, attention, per_datum
+        return inputs.to(self.device), targets.to(self.device), attention.to(self.device), per_datum
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head for learner/logprobs.py: under FSDP its weight is the root unit's,
+        unsharded first (a no-op while it is), as the FSDP learner's `_head` does."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self.base, FSDPModule):
+            self.base.unshard()
+        return self.peft.get_output_embeddings()(hidden)
+
+    def _reshard(self) -> None:
+        """Under FSDP, end a call with every unit sharded (the root stays gathered after its forward
+        otherwise): each rank then starts the next call in the same state, whatever ran between."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self.base, FSDPModule):
+            self.base.reshard()
 
     def forward_backward(self, name: str, data, loss: str, config: dict, forward_only: bool):
         """Per datum its target tokens' log-probs [N], and the metrics {"loss:sum"}; without
         `forward_only` the loss's gradient is added to the adapter's."""
+        from serve.wire import encode_data
+
         try:
-            fn = loss_fn(loss, config)
+            loss_fn(loss, config)
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        if name not in self.specs:
+            raise UserError(f"no model {name!r} on this service")
+        self._check(data, loss)
+        return self._collective("forward_backward", lambda: self._forward_backward(name, data, loss, config, forward_only),
+                                name=name, data=encode_data(data) if self.world > 1 else [], loss=loss,
+                                config=config, forward_only=forward_only)
+
+    def _rows(self, n: int) -> list[int]:
+        """This rank's datums of `n`: a contiguous share."""
+        if self.ranks is None:
+            return list(range(n))
+        return [int(i) for i in np.array_split(np.arange(n), self.world)[self.ranks.rank]]
+
+    def _forward_backward(self, name: str, data, loss: str, config: dict, forward_only: bool):
+        from serve.wire import Datum
+
+        fn = loss_fn(loss, config)
         self._activate(name)
-        inputs, targets, attention, per_datum = self._batch(data)
-        for i, d in enumerate(per_datum):
-            missing = [k for k in INPUTS[loss][1:] if k not in d and not (loss == "cross_entropy" and k == "weights")]
-            if missing:
-                raise UserError(f"datum {i}: {loss} needs loss_fn_inputs {missing}")
+        rows = self._rows(len(data))
+        # A rank with no datum still runs one forward (FSDP's gathers are collectives): a stand-in, loss 0.
+        local = [data[i] for i in rows] or [Datum([self.pad], {"target_tokens": np.zeros(1, dtype=np.int64)})]
+        inputs, targets, attention, per_datum = self._batch(local)
         self.peft.train()
         with torch.set_grad_enabled(not forward_only):
-            logp = target_logprobs(self.peft, inputs, targets, attention)  # [b, T]
-            total = logp.new_zeros(())
-            out = []
-            for i, d in enumerate(data):
-                n = len(d.tokens)
-                datum_loss, _ = fn(logp[i, :n], per_datum[i], config)
+            logp = target_logprobs(self.peft, inputs, targets, attention, head=self._head).float()  # [b, T]
+            total = logp.sum() * 0.0
+            for j in range(len(rows)):
+                n = len(local[j].tokens)
+                datum_loss, _ = fn(logp[j, :n], per_datum[j], config)
                 total = total + datum_loss
-                out.append(logp[i, :n].detach().float().numpy())
             if not forward_only:
                 total.backward()
-        return out, {"loss:sum": float(total.detach())}
+        self._reshard()
+        logp, total = logp.detach().cpu(), total.detach().cpu().reshape(1)
+        if self.world == 1:
+            return [logp[i, :len(d.tokens)].numpy() for i, d in enumerate(data)], {"loss:sum": float(total)}
+        width = max(len(d.tokens) for d in data)
+        full = torch.zeros((len(data), width + 1), dtype=torch.float32)  # the last column: the rank's loss
+        for j, i in enumerate(rows):
+            full[i, :len(data[i].tokens)] = logp[j, :len(data[i].tokens)]
+        full[0, width] = total[0]
+        self.ranks.sum(full)
+        return ([full[i, :len(d.tokens)].numpy() for i, d in enumerate(data)],
+                {"loss:sum": float(full[0, width])})
 
     def optim_step(self, name: str, adam: dict) -> dict[str, float]:
         """One AdamW step of the adapter with this call's parameters (learning_rate, beta1, beta2,
         eps, weight_decay, grad_clip_norm), then its gradients are zeroed."""
+        if name not in self.specs:
+            raise UserError(f"no model {name!r} on this service")
+        lr, wd = float(adam.get("learning_rate", 1e-4)), float(adam.get("weight_decay", 0.0))
+        betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
+        eps = float(adam.get("eps", 1e-12))
+        if lr < 0 or wd < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise UserError(f"Adam parameters out of range: learning_rate {lr}, betas {betas}, eps {eps}, "
+                            f"weight_decay {wd}")
+        return self._collective("optim_step", lambda: self._optim_step(name, adam), name=name, adam=adam)
+
+    def _optim_step(self, name: str, adam: dict) -> dict[str, float]:
+        import torch.distributed as dist
+
         self._activate(name)
         opt = self.optimizers[name]
         lr, wd = float(adam.get("learning_rate", 1e-4)), float(adam.get("weight_decay", 0.0))
         betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
         eps, clip = float(adam.get("eps", 1e-12)), float(adam.get("grad_clip_norm", 0.0))
-        if lr < 0 or wd < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise UserError(f"Adam parameters out of range: learning_rate {lr}, betas {betas}, eps {eps}, "
-                            f"weight_decay {wd}")
         for group in opt.param_groups:
             group.update(lr=lr, betas=betas, eps=eps, weight_decay=wd)
         params = self._params(name)
+        if self.world > 1:  # the ranks' gradients summed in one collective: the sum over every datum
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            for p, g in zip(params, flat.split([g.numel() for g in grads])):
+                p.grad = g.view_as(p).clone()
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -245,7 +389,7 @@ class Trainer:
     # -- state on disk ----------------------------------------------------------
     def save(self, name: str, path: Path, optimizer: bool, base_model: str) -> None:
         """The adapter (policy/adapter.py's format), the API's LoRA config and, with `optimizer`,
-        the optimizer's state, in the directory `path`."""
+        the optimizer's state, in the directory `path` (rank 0's copy: every rank's is the same)."""
         write_adapter(path, self.tensors(name), self.specs[name], base_model, self.steps[name])
         meta = {"lora": self.choices[name].to_dict(), "step": self.steps[name], "optimizer": optimizer}
         if optimizer:
@@ -254,23 +398,30 @@ class Trainer:
 
     def load(self, name: str, path: Path, optimizer: bool) -> None:
         """Adapter `name` (created here if new) from the directory `path`, with its optimizer's
-        state when `optimizer` (UserError if the checkpoint has none)."""
+        state when `optimizer` (UserError if the checkpoint has none). Every rank reads the files."""
+        self._lead("load", name=name, path=str(path), optimizer=optimizer)
+        self._load(name, path, optimizer)
+
+    def _load(self, name: str, path: Path, optimizer: bool) -> None:
         from peft import set_peft_model_state_dict
 
         meta = json.loads((path / "tinker.json").read_text())
         if optimizer and not meta.get("optimizer"):
             raise UserError(f"{path.name} was saved without optimizer state (save_weights_for_sampler "
                             "saves weights only; save_state saves both)")
-        if name not in self.specs:
-            self.create(name, LoraChoice(**meta["lora"]))
         adapter = read_adapter(path)
-        if adapter.lora_spec().rank != self.specs[name].rank:
+        choice = LoraChoice(**meta["lora"])
+        if name in self.specs and adapter.lora_spec().rank != self.specs[name].rank:
             raise UserError(f"the checkpoint has LoRA rank {adapter.lora_spec().rank}, the model "
                             f"{self.specs[name].rank}")
-        result = set_peft_model_state_dict(self.peft, adapter.tensors, adapter_name=name)
+        if name not in self.specs:
+            self._create(name, choice, choice.seed)
+        tensors = {k: v.to(self.device) for k, v in adapter.tensors.items()}
+        result = set_peft_model_state_dict(self.peft, tensors, adapter_name=name)
         if list(result.unexpected_keys):
             raise UserError(f"the checkpoint adapts layers this model's adapter lacks: {result.unexpected_keys[:3]}")
-        self.optimizers[name] = torch.optim.AdamW(self._params(name), lr=0.0, betas=(0.9, 0.95), eps=1e-12)
+        self._new_optimizer(name)
         if optimizer:
-            self.optimizers[name].load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            self.optimizers[name].load_state_dict(torch.load(path / "optimizer.pt", weights_only=True,
+                                                             map_location=self.device))
         self.steps[name] = int(meta.get("step", 0))

@@ -34,6 +34,20 @@ class Datum:
     """`loss_fn_inputs` by name, each 1-D."""
 
 
+def encode_data(data: list[Datum]) -> list[dict]:
+    """Datums as msgpack-able maps (arrays as dtype and raw bytes), for the learner ranks' control
+    group (serve/ranks.py)."""
+    return [{"tokens": [int(t) for t in d.tokens],
+             "inputs": {k: [np.asarray(v).dtype.str, np.ascontiguousarray(v).tobytes()] for k, v in d.inputs.items()}}
+            for d in data]
+
+
+def decode_data(maps: list[dict]) -> list[Datum]:
+    """`encode_data`'s maps back as Datums."""
+    return [Datum(m["tokens"], {k: np.frombuffer(raw, dtype=np.dtype(dtype)) for k, (dtype, raw) in m["inputs"].items()})
+            for m in maps]
+
+
 @dataclass
 class ForwardBackward:
     model_id: str

@@ -96,12 +96,13 @@ def test_every_readme_command_is_known_and_parses(tmp_path, monkeypatch):
     from launch.eval import EvalArgs
     from launch.merge import MergeArgs
     from launch.plot import PlotArgs
+    from launch.tinker import TinkerArgs
 
     ci = (ROOT / ".ci" / "run").read_text().replace(" -q", "")
     pyproject = (ROOT / "pyproject.toml").read_text()
     extras = set(re.findall(r"^([\w-]+) = \[", pyproject.split("[project.optional-dependencies]")[1].split("\n[")[0],
                             re.MULTILINE))
-    parsers = {"launch.eval": EvalArgs, "launch.plot": PlotArgs, "launch.merge": MergeArgs}
+    parsers = {"launch.eval": EvalArgs, "launch.plot": PlotArgs, "launch.merge": MergeArgs, "launch.tinker": TinkerArgs}
     (tmp_path / "guess.py").write_text(example_source())  # the example's commands run beside it
     monkeypatch.syspath_prepend(str(tmp_path))
     commands = readme_commands()

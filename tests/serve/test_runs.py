@@ -2,7 +2,9 @@
 checkpoint listings (paths that load back, still listed by a service restarted over the same
 files), deletion, weights info, sessions, and bad ids and paths refused with the service going on."""
 
+import json
 import shutil
+import time
 
 import pytest
 import tinker
@@ -166,6 +168,12 @@ def test_a_restarted_service_lists_what_was_saved(served, run, tiny_model, tmp_p
     r.delete_checkpoint_from_tinker_path(gone).result()
     before = r.list_checkpoints(run["id"]).result().checkpoints
     run_before = r.get_training_run(run["id"]).result()
+    times = served.logdir / "last_requests.json"  # written by the service every few seconds
+    deadline = time.monotonic() + 30
+    while not (times.is_file() and abs(json.loads(times.read_text()).get(run["id"], 0.0)
+                                       - run_before.last_request_time.timestamp()) < 1e-3):
+        assert time.monotonic() < deadline, "last_requests.json never held the run's last request"
+        time.sleep(0.2)
     logdir = tmp_path / "restarted"
     shutil.copytree(served.logdir, logdir, ignore=shutil.ignore_patterns("*.log"))
     again = start_service(tiny_model, logdir)
@@ -177,7 +185,10 @@ def test_a_restarted_service_lists_what_was_saved(served, run, tiny_model, tmp_p
         assert (got.last_checkpoint, got.last_sampler_checkpoint) == (run_before.last_checkpoint,
                                                                        run_before.last_sampler_checkpoint)
         assert got.user_metadata == META and got.base_model == tiny_model
-        assert run["id"] in r2.get_session(run["session"]).result().training_run_ids
+        assert got.last_request_time == run_before.last_request_time
+        session = r2.get_session(run["session"]).result()
+        assert run["id"] in session.training_run_ids and session.user_metadata == {"who": "test_runs"}
+        assert run["session"] in r2.list_sessions(limit=100).result().sessions
         with again.client() as client:
             assert client.create_training_client_from_state_with_optimizer(run["second"]).result()
             with pytest.raises(tinker.NotFoundError, match="was deleted"):

@@ -1,5 +1,6 @@
 """serve/store.py in process: the logdir's records replayed at start (saves, deletions, a name saved
-again, a torn last line), runs known only by their checkpoints, and why a path does not load."""
+again, a torn last line, sessions and when each run's requests last came), runs known only by their
+checkpoints, and why a path does not load."""
 
 import json
 
@@ -65,3 +66,22 @@ def test_paths_that_do_not_load(tmp_path):
     for bad in ("tinker://../weights/x", "tinker://a/b/c/d", "file:///etc/passwd", "tinker://a/other/x"):
         with pytest.raises(UserError, match="tinker://"):
             store.find(bad)
+
+
+def test_sessions_and_last_requests_replay_after_a_restart(tmp_path):
+    store = Store(tmp_path)
+    store.add_session("s-1", 10.0, {"who": "me"}, "first")
+    store.add_session("s-2", 20.0, None, None)
+    store.finish_session("s-1", "success")
+    store.add_run("s-1:train:0", "/models/tiny", LORA, "s-1", None)
+    store.touch("s-1:train:0")
+    touched = store.last_request("s-1:train:0")
+    store.write_last_requests()
+    again = Store(tmp_path)
+    assert again.session_ids() == ["s-1", "s-2"]
+    s1 = again.session("s-1")
+    assert (s1["metadata"], s1["display_name"], s1["finished"]) == ({"who": "me"}, "first", "success")
+    assert again.session("s-2")["metadata"] == {} and again.session("s-3") is None
+    assert again.last_request("s-1:train:0") == touched
+    (tmp_path / "last_requests.json").write_text("{not json")  # a damaged file: times from the records
+    assert Store(tmp_path).last_request("s-1:train:0") == Store(tmp_path).run("s-1:train:0")["created"]
