@@ -86,6 +86,17 @@ def check_start_beside(fraction: float, free: int, total: int, held: int, contex
         f"{fix}")
 
 
+def check_room_beside(fraction: float, device) -> None:
+    """Before a vLLM engine starts on the GPU `device` where this process already holds a model (a
+    colocated learner rank, the Tinker service's rank 0): return the caching allocator's unused
+    blocks (vLLM requires its whole fraction free) and `check_start_beside` what is left."""
+    import torch
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    check_start_beside(fraction, free, total, torch.cuda.memory_reserved(device))
+
+
 def check_wake(free: int, needed: int, held: int, total: int, fraction: float) -> None:
     """RuntimeError when a sleeping engine that released `needed` bytes at its sleep cannot take
     them back: `free` bytes are free after the learner emptied its cache and still holds `held`."""

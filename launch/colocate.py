@@ -215,12 +215,8 @@ def _engine(learner, actor_cfg, seed: int):
         return TorchEngine(learner.model_path, learner.cfg.lora, device=str(learner.device), seed=seed,
                            model=learner.model)
     if learner.device.type == "cuda":
-        import torch
+        from actors.gpu_memory import check_room_beside
 
-        from actors.gpu_memory import check_start_beside
-
-        torch.cuda.empty_cache()  # vLLM requires its whole fraction free at start
-        free, total = torch.cuda.mem_get_info(learner.device)
-        check_start_beside(actor_cfg.memory_fraction, free, total, torch.cuda.memory_reserved(learner.device))
+        check_room_beside(actor_cfg.memory_fraction, learner.device)
     return make_engine(actor_cfg.engine, learner.model_path, learner.cfg.lora, device=learner.device.type,
                        seed=seed, sleep_mode=actor_cfg.sleep != "keep", **actor_cfg.engine_options())

@@ -80,6 +80,10 @@ class Sampler:
         engine = self.engines.get(shape)
         if engine is None:
             options = self.options if kind == self.kind else {"merge_lora": False}
+            if kind == "vllm" and self.device == "cuda":  # beside learner rank 0 on GPU 0
+                from actors.gpu_memory import check_room_beside
+
+                check_room_beside(options["memory_fraction"], torch.device("cuda", 0))
             engine = self.engines[shape] = make_engine(kind, self.model_path, spec, device=self.device, **options)
             self.specs[shape] = spec
             self.applied[shape] = "base"  # version 0: no adapter (vLLM), or one whose B is zero (torch)

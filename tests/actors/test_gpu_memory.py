@@ -6,8 +6,8 @@ import fcntl
 
 import pytest
 
-from actors.gpu_memory import (CONTEXT_BYTES, GIB, check_shared_fraction, check_start_beside, check_wake,
-                               fits_awake, largest_fraction, largest_shared_fraction, lock_path, one_at_a_time)
+from actors.gpu_memory import (CONTEXT_BYTES, GIB, check_room_beside, check_shared_fraction, check_start_beside,
+                               check_wake, fits_awake, largest_fraction, largest_shared_fraction, lock_path, one_at_a_time)
 
 
 def test_engines_sharing_a_gpu_leave_room_for_each_cuda_context():
@@ -42,6 +42,24 @@ def test_an_engine_beside_a_learner_gets_what_the_rank_leaves_less_its_context()
         check_start_beside(0.85, free, 80 * GIB, held=30 * GIB)
     with pytest.raises(ValueError, match="the learner leaves no room for an engine: use more --learners"):
         check_start_beside(0.1, GIB // 2, 80 * GIB, held=79 * GIB)
+
+
+def test_the_room_beside_a_model_is_measured_after_the_cache_is_emptied(monkeypatch):
+    """The allocator's cache holds 20 GiB the rank no longer uses: vLLM needs them free, so they are
+    returned before the free memory is read (the CUDA calls stand in for a GPU this machine lacks)."""
+    import torch
+
+    gpu = {"free": 29 * GIB, "cached": 20 * GIB}
+
+    def empty_cache():
+        gpu["free"] += gpu.pop("cached", 0)
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (gpu["free"], 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * GIB)
+    check_room_beside(0.6, "cuda:0")  # 49 GiB free after emptying: 0.6 fits
+    with pytest.raises(ValueError, match=r"--actor.memory-fraction 0.85 beside the learner rank.*0.6 or less"):
+        check_room_beside(0.85, "cuda:0")
 
 
 def test_a_wake_that_does_not_fit_stops_with_what_to_lower():
