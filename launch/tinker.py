@@ -11,6 +11,7 @@ engines (`--actor.engine torch` or `vllm`) (serve/); docs/tinker.md says what is
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -115,6 +116,11 @@ def main(args: TinkerArgs) -> None:
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=75))
     failure = watch_ranks(ranks, procs, server)
+    # uvicorn stops serving on SIGTERM, then restores the handler it found and raises the signal
+    # again: with the default handler this process would die there, its engines (vLLM's engine
+    # processes), ranks and last request times left behind. So the handler it finds ends
+    # `server.run` with SystemExit, and `service.close()` below runs.
+    signal.signal(signal.SIGTERM, stopped)
     print(f"serving {args.model} ({path}) on {args.learners} learner rank(s); listening on http://{host}:{port}",
           flush=True)
     try:
@@ -127,6 +133,10 @@ def main(args: TinkerArgs) -> None:
         service.close()
         for p in procs:
             p.wait(timeout=60)
+
+
+def stopped(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def watch_ranks(ranks, procs, server) -> list[str]:

@@ -5,6 +5,7 @@ forward's within the engines' parity tolerance; compute_logprobs, the base model
 request longer than the engine's context are answered as on the torch engine."""
 
 import numpy as np
+import psutil
 import pytest
 import tinker
 from tinker import types
@@ -63,3 +64,14 @@ def test_vllm_samples_with_the_training_clients_adapter(on_vllm, tiny_model):
         with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError), match="context of 256"):
             sample(sc, max_tokens=300)
         assert len(sample(sc, max_tokens=2)[0].tokens) <= 2  # still serving
+
+
+def test_stopping_the_service_stops_its_engines(on_vllm):
+    """SIGTERM, as a process manager stops the service: it closes its engines (vLLM's engine core
+    and worker processes) and exits 0, leaving nothing running."""
+    children = psutil.Process(on_vllm.proc.pid).children(recursive=True)
+    assert children  # the engine's processes
+    on_vllm.stop()
+    assert on_vllm.proc.returncode == 0
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.name() for p in alive]
