@@ -26,7 +26,7 @@ def test_the_api_key_comes_from_the_variable_or_a_file(tmp_path, monkeypatch):
         api_key(TinkerArgs(api_key_file=str(tmp_path / "missing")))
 
 
-@pytest.mark.parametrize("flags, message", [({"learners": 2}, "--learners 1"), ({"port": 70000}, "no TCP port"),
+@pytest.mark.parametrize("flags, message", [({"learners": 0}, "at least 1"), ({"port": 70000}, "no TCP port"),
                                             ({"poll_s": 50.0}, "45 s")])
 def test_bad_flags_are_refused(flags, message):
     with pytest.raises(ValueError, match=message):
@@ -35,6 +35,6 @@ def test_bad_flags_are_refused(flags, message):
 
 def test_help_answers_without_loading_torch():
     out = subprocess.run([sys.executable, "-c", "import sys, runpy; sys.argv = ['x', '--help']\n"
-                          "try:\n    runpy.run_module('launch.tinker', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+                          "try:\n    runpy.run_module('launch.tinker', run_name='__main__', alter_sys=True)\nexcept SystemExit:\n    pass\n"
                           "print('torch' in sys.modules)"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert "--api-key-file" in out.stdout and out.stdout.strip().endswith("False"), out.stdout + out.stderr
