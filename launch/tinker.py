@@ -4,8 +4,9 @@ Scripts written for Thinking Machines' Tinker (the `tinker` SDK, tested with 0.3
 machine when pointed at the service: `TINKER_BASE_URL=http://127.0.0.1:8000` and the same
 `TINKER_API_KEY` (a `tml-` key of your choosing) in both shells. The service trains LoRA adapters
 on `--model` with Tandem's learner code, on `--learners` FSDP ranks, and samples with Tandem's
-engines (`--actor.engine torch` or `vllm`) (serve/); docs/tinker.md says what is supported. It listens on loopback unless `--host` says otherwise, and prints
-`listening on http://HOST:PORT` once it accepts requests (with `--port 0`, a free port).
+engines, `--actor.engine torch` or `vllm` (serve/); docs/tinker.md says what is supported. It
+listens on loopback unless `--host` says otherwise, and prints `listening on http://HOST:PORT`
+once it accepts requests (with `--port 0`, a free port).
 """
 
 from __future__ import annotations

@@ -69,6 +69,7 @@ class Sampler:
         self.engines: dict[tuple, object] = {}  # (kind, shape) -> engine
         self.applied: dict[tuple, str] = {}  # shape -> the key of the weights applied
         self.specs: dict[tuple, LoraSpec] = {}  # shape -> its LoraSpec
+        self.zeros: dict[tuple, dict] = {}  # shape -> its all-zero adapter (the base model), made once
 
     def _engine(self, weights: Weights, kind: str | None = None):
         """The engine of `kind` (default: the sampler's) for `weights`' LoRA shape, with them applied."""
@@ -90,7 +91,9 @@ class Sampler:
         if self.applied[shape] != weights.key:
             tensors = weights.tensors
             if tensors is None:  # the base model: the adapter's B is zero, its update nothing
-                tensors = zero_adapter(self.model_path, spec)
+                if shape not in self.zeros:
+                    self.zeros[shape] = zero_adapter(self.model_path, spec)
+                tensors = self.zeros[shape]
             engine.load_adapter(engine.version + 1, tensors)
             self.applied[shape] = weights.key
         return engine

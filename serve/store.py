@@ -189,7 +189,8 @@ class Store:
             return sorted(self._sessions, key=lambda sid: self._sessions[sid].get("created", 0.0))
 
     def last_request(self, run_id: str) -> float:
-        """When a request of the run last came: in this process, else its latest save or creation."""
+        """When a request of the run last came (kept across restarts in last_requests.json), else
+        its latest save or creation."""
         if run_id in self._last_request:
             return self._last_request[run_id]
         saves = [s.time for s in self.checkpoints(run_id)]

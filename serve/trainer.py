@@ -84,6 +84,18 @@ def target_modules(kinds: dict[str, str], choice: LoraChoice) -> list[str]:
     return names
 
 
+def adam_params(adam: dict) -> tuple[float, tuple[float, float], float, float, float]:
+    """(learning rate, betas, eps, weight decay, gradient clip norm) of the API's AdamParams, with
+    its defaults; UserError when one is out of range."""
+    lr, wd = float(adam.get("learning_rate", 1e-4)), float(adam.get("weight_decay", 0.0))
+    betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
+    eps, clip = float(adam.get("eps", 1e-12)), float(adam.get("grad_clip_norm", 0.0))
+    if lr < 0 or wd < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas):
+        raise UserError(f"Adam parameters out of range: learning_rate {lr}, betas {betas}, eps {eps}, "
+                        f"weight_decay {wd}")
+    return lr, betas, eps, wd, clip
+
+
 class Trainer:
     """The base model and the adapters of every training client.
 
@@ -355,12 +367,7 @@ class Trainer:
         eps, weight_decay, grad_clip_norm), then its gradients are zeroed."""
         if name not in self.specs:
             raise UserError(f"no model {name!r} on this service")
-        lr, wd = float(adam.get("learning_rate", 1e-4)), float(adam.get("weight_decay", 0.0))
-        betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-        eps = float(adam.get("eps", 1e-12))
-        if lr < 0 or wd < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise UserError(f"Adam parameters out of range: learning_rate {lr}, betas {betas}, eps {eps}, "
-                            f"weight_decay {wd}")
+        adam_params(adam)  # refused here, before any rank moves
         return self._collective("optim_step", lambda: self._optim_step(name, adam), name=name, adam=adam)
 
     def _optim_step(self, name: str, adam: dict) -> dict[str, float]:
@@ -368,9 +375,7 @@ class Trainer:
 
         self._activate(name)
         opt = self.optimizers[name]
-        lr, wd = float(adam.get("learning_rate", 1e-4)), float(adam.get("weight_decay", 0.0))
-        betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-        eps, clip = float(adam.get("eps", 1e-12)), float(adam.get("grad_clip_norm", 0.0))
+        lr, betas, eps, wd, clip = adam_params(adam)
         for group in opt.param_groups:
             group.update(lr=lr, betas=betas, eps=eps, weight_decay=wd)
         params = self._params(name)
