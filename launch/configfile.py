@@ -44,11 +44,12 @@ def read_config_file(path: str) -> dict:
     return data
 
 
-def config_from_file(cls, path: str):
-    """An instance of the root config `cls` with the file's settings over the defaults. Its
-    `model` stays as the file gives it ("auto" when absent), so that an `--env` given on the
-    command line still picks its own default model."""
-    data = read_config_file(path)
+def config_from_file(cls, path: str, under: dict | None = None):
+    """An instance of the root config `cls` with the file's settings over `under` (nested
+    sections: the environment's own defaults) over the defaults. Its `model` stays as the file
+    gives it ("auto" when absent), so that an `--env` given on the command line still picks its
+    own default model."""
+    data = _over(read_config_file(path), under or {})
     fields = _fields(cls, data, path, "")
     if "resume" in fields and fields["resume"]:
         raise ValueError(f"--config {path}: 'resume' has no place in a config file; run --resume DIR instead")
@@ -59,6 +60,18 @@ def config_from_file(cls, path: str):
     if "model" not in fields:
         cfg.model = "auto"
     return cfg
+
+
+def _over(data: dict, under: dict) -> dict:
+    """The file's mapping with `under`'s values where it gives none (keys with - or _ alike)."""
+    out = dict(data)
+    for key, value in under.items():
+        given = next((k for k in data if str(k).replace("-", "_") == key), None)
+        if given is None:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(data[given], dict):
+            out[given] = _over(data[given], value)
+    return out
 
 
 def _is_run_config(path: str, logdir) -> bool:

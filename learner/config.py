@@ -66,10 +66,11 @@ class LearnerConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     groups_per_step: int = 0
-    """Groups (tasks) per optimizer step, across all ranks (B). 0 scales it from the GPUs given: 16
-    on the CPU; with actors on GPUs, enough that the staleness bound admits every actor's groups
-    in flight, ceil(--actors × groups-in-flight / (η + 1)) rounded up to a multiple of --learners,
-    at least 16 (4 actors on whole GPUs, G 8, η 1: 64); with --colocate and --learner.gpus g,
+    """Groups (tasks) per optimizer step, across all ranks (B). 0 scales it from the GPUs given: 128
+    sequences on the CPU, ceil(128 / group_size) (16 groups of 8; 8 of 16); with actors on GPUs,
+    enough that the staleness bound admits every actor's groups in flight, ceil(--actors ×
+    groups-in-flight / (η + 1)) rounded up to a multiple of --learners, at least the CPU's (4
+    actors on whole GPUs, G 8, η 1: 64); with --colocate and --learner.gpus g,
     --learners × ceil(256·g / group_size) (8 ranks on whole GPUs, G 8: 256), which each rank plays
     at once. A number given wins."""
     mini_batches: int = 1

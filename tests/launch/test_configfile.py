@@ -40,6 +40,41 @@ def test_an_env_given_as_a_flag_picks_its_own_default_model(tmp_path):
     assert resumed_config(["--config", str(file), "--env", "maze"]).model == "builtin:maze"
 
 
+def _batch(cfg: Config) -> tuple:
+    return cfg.actor.group_size, cfg.groups_per_step, cfg.replay.drop_zero_variance
+
+
+def test_an_environment_s_own_defaults_yield_to_every_flag_given(tmp_path):
+    # the image maze's defaults: groups of 16, 8 a step (128 sequences, as 16 groups of 8), the
+    # equal-reward groups dropped; the text maze keeps the global ones
+    assert _batch(resumed_config([])) == (8, 16, False)
+    assert _batch(resumed_config(["--env", "image-maze"])) == (16, 8, True)
+    # a flag given wins, also one equal to the global default, which a check of "left at the
+    # default" could not tell from no flag at all
+    assert _batch(resumed_config(["--env", "image-maze", "--actor.group-size", "8"])) == (8, 16, True)
+    assert _batch(resumed_config(["--env", "image-maze", "--replay.no-drop-zero-variance"])) == (16, 8, False)
+    assert _batch(resumed_config(["--env", "image-maze", "--learner.groups-per-step", "4"])) == (16, 4, True)
+    # dynamic sampling only where it applies: PPO's critic and --colocate are not refused for it
+    assert _batch(resumed_config(["--env", "image-maze", "--algo", "ppo"])) == (16, 8, False)
+    assert _batch(resumed_config(["--env", "image-maze", "--colocate"])) == (16, 8, False)
+    code = resumed_config(["--env", "code", "--actor.max-tokens", "4096"]).actor
+    assert (code.max_new_tokens, code.max_tokens) == (256, 4096)
+    # in a file: its keys win over the environment's defaults, the flags over both
+    file = tmp_path / "exp.yaml"
+    file.write_text("env: image-maze\nactor:\n  group-size: 8\n")
+    assert _batch(resumed_config(["--config", str(file)])) == (8, 16, True)
+    assert _batch(resumed_config(["--config", str(file), "--actor.group-size", "4"])) == (4, 32, True)
+    assert _batch(resumed_config(["--config", str(file), "--env", "maze"])) == (8, 16, False)
+
+
+def test_help_shows_the_defaults_of_the_env_it_is_given_with(capsys):
+    for env, group in (("maze", 8), ("image-maze", 16)):
+        with pytest.raises(SystemExit):
+            resumed_config(["--env", env, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"Completions sampled per task (G, the GRPO group). (default: {group})" in text
+
+
 def test_a_run_s_config_json_starts_a_new_run_with_its_settings(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

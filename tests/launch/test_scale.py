@@ -30,6 +30,10 @@ def test_the_cpu_defaults_are_unchanged():
     assert (cfg.groups_per_step, cfg.rank_actor.groups_in_flight, cfg.rank_actor.env_threads) == (16, 4, 8)
     with pytest.raises(ValueError, match=re.escape("--learner.groups-per-step (16) must be a multiple of --learners (3)")):
         Config(learners=3)  # as before: 16 on the CPU, never rounded
+    # 128 sequences a step on the CPU whatever the group: 8 groups of 16, 22 of 6 (132)
+    assert Config(actor=ActorConfig(group_size=16)).groups_per_step == 8
+    assert Config(actor=ActorConfig(group_size=6)).groups_per_step == 22
+    assert Config(actor=ActorConfig(group_size=16), colocate=True).groups_per_step == 8
 
 
 @pytest.mark.parametrize("actors, gpus, group_size, eta, learners, in_flight, threads, batch", [
@@ -38,7 +42,7 @@ def test_the_cpu_defaults_are_unchanged():
     (4, 1.0, 8, 0, 4, 32, 64, 128),     # η 0 admits B in flight
     (4, 1.0, 8, 3, 4, 32, 64, 32),      # η 3 admits 4B
     (4, 1.0, 8, 1, 3, 32, 64, 66),      # rounded up to a multiple of --learners
-    (2, 0.5, 16, 1, 2, 8, 32, 16),      # never below the CPU's 16
+    (2, 0.5, 16, 1, 2, 8, 32, 8),       # never below the CPU's 128 sequences (8 groups of 16)
     (2, 0.05, 8, 1, 2, 4, 8, 16),       # never below the CPU's 4 groups and 8 threads
     (1, 0.25, 8, 1, 1, 8, 16, 16),
 ])
@@ -109,6 +113,6 @@ def test_help_says_how_the_defaults_scale(capsys):
     with pytest.raises(SystemExit):
         tyro.cli(Config, args=["--help"], prog=PROG)
     text = " ".join(capsys.readouterr().out.split())
-    for phrase in ("0 scales it from the actor's GPUs: 4 on the CPU", "0 scales it from the GPUs given: 16 on the CPU",
+    for phrase in ("0 scales it from the actor's GPUs: 4 on the CPU", "0 scales it from the GPUs given: 128 sequences on the CPU",
                    "0 scales them with the episodes in flight: 8 on the CPU", "A number given wins"):
         assert phrase in text, phrase
