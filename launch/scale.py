@@ -1,12 +1,13 @@
 """How the batch and the actors' concurrency scale with the GPUs given, when left at 0.
 
 On the CPU the defaults are those the project was tuned with (128 sequences a step: 16 groups of 8,
-or 8 of 16; 4 groups in flight per actor, 8 environment threads). With GPUs, the staleness bound is what caps a node: replay admits
-at most about (η + 1)·B groups in flight (capacity = (η + v + 1)·B − (accepted + in_flight)), so
-at B = 16 and η = 1 the whole node plays ~256 sequences however many GPUs it has. Here each actor
-plays enough for its GPUs (`ActorConfig.concurrent_groups`: 256 sequences a GPU), and B grows until
-the bound admits them all. Colocated ranks play their whole share of a step at once. A number
-given for any of them wins; docs/models.md ("How many sequences in flight") gives examples.
+or 8 of 16; 4 groups in flight per actor, 8 environment threads). With GPUs, the staleness bound is
+what caps a node: replay admits at most about (η + 1)·B groups in flight (capacity = (η + v + 1)·B −
+(accepted + in_flight)), so at B = 16 and η = 1 the whole node plays ~256 sequences however many
+GPUs it has. Here each actor plays enough for its GPUs (`ActorConfig.concurrent_groups`: 256
+sequences a GPU), and B grows until the bound admits them all. Colocated ranks play their whole
+share of a step at once. A number given for any of them wins; docs/models.md ("How many sequences in
+flight") gives examples.
 """
 
 from __future__ import annotations
