@@ -6,7 +6,14 @@ path, against what a uniformly random choice would bump in the very same states.
 
 A policy that reads the maze bumps far less often than chance (`bump_vs_random` well under 1);
 one that does not see the walls bumps about as often as chance. docs/vision.md uses it on the
-image maze's warm start. Ends with one JSON line.
+image maze's warm start.
+
+It also lists the mazes the greedy policy fails (`greedy_failures`: index in maze-64, shortest
+path), and with `--samples N` plays each of them N times with the sampling policy
+(`--temperature`, the actors' 0.7 by default), which tells a plateau's two causes apart: a maze
+the sampling policy sometimes solves gives GRPO a group with a signal, one it never solves gives
+it nothing to learn from (`sampled_success` per failure, and over all of them). Ends with one
+JSON line.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ class Args:
     """Evaluation mazes (the first ones of maze-64)."""
     max_new_tokens: int = 8
     """Tokens per model turn."""
+    samples: int = 0
+    """Sampled plays of each maze the greedy policy fails (0: none)."""
+    temperature: float = 0.7
+    """Sampling temperature of those plays (the actors' default)."""
 
 
 def counting(env, counts: Counter):
@@ -54,33 +65,70 @@ def counting(env, counts: Counter):
     return env
 
 
+def recorded(make, envs: list):
+    """`make` (an environment factory) keeping every environment it makes in `envs`, in order:
+    `actors.rollout.evaluate` makes one an episode, in the order of its tasks."""
+
+    def made():
+        envs.append(make())
+        return envs[-1]
+
+    return made
+
+
+def solved(env) -> bool:
+    """Whether the maze episode `env` played ended on the goal."""
+    return env.pos == env.maze.goal
+
+
 def measure(args: Args) -> dict:
     import torch
 
     from actors.rollout import evaluate
     from actors.torch_engine import TorchEngine
     from envs import make_env
-    from envs.maze import MAZE64_SEED
+    from envs.maze import MAZE64_SEED, shortest_path
     from policy.adapter import read_adapter
     from policy.load import LoraSpec, load_chat, resolve_model
 
+    if args.samples < 0 or args.temperature <= 0:
+        raise ValueError(f"bench.moves: --samples ≥ 0 and --temperature > 0, got {args.samples} and {args.temperature}")
     torch.set_num_threads(1)
     path = resolve_model(args.model)
     counts: Counter = Counter()
     adapter = read_adapter(args.adapter) if args.adapter else None
     engine = TorchEngine(path, adapter.lora_spec() if adapter else LoraSpec(rank=1))  # rank 1: the identity
+    tasks = make_env(args.env).eval_tasks(MAZE64_SEED, args.episodes)
+    greedy: list = []
+    sampled: list = []
     try:
         if adapter is not None:
             engine.load_adapter(adapter.version, adapter.tensors)
-        result = evaluate(engine, load_chat(path), lambda: counting(make_env(args.env), counts),
-                          make_env(args.env).eval_tasks(MAZE64_SEED, args.episodes), args.max_new_tokens, 2048)
+        chat = load_chat(path)
+        result = evaluate(engine, chat, recorded(lambda: counting(make_env(args.env), counts), greedy),
+                          tasks, args.max_new_tokens, 2048)
+        failed = [i for i, env in enumerate(greedy) if not solved(env)]
+        if failed and args.samples:
+            evaluate(engine, chat, recorded(lambda: make_env(args.env), sampled), [tasks[i] for i in failed],
+                     args.max_new_tokens, 2048, temperature=args.temperature, samples=args.samples)
     finally:
         engine.close()
+    failures = []
+    for k, i in enumerate(failed):
+        start = make_env(args.env)
+        start.reset(options=tasks[i])
+        failure = {"maze": i, "shortest": len(shortest_path(start.maze, start.pos))}
+        if sampled:
+            plays = sampled[k * args.samples:(k + 1) * args.samples]
+            failure["sampled_success"] = sum(map(solved, plays)) / args.samples
+        failures.append(failure)
     moves = max(counts["moves"], 1)
     bump, random_bump = counts["bumps"] / moves, counts["random_bumps"] / moves
     return {"model": args.model, "adapter": args.adapter, "env": args.env, "episodes": args.episodes, "success": result["success_rate"],
             "moves": counts["moves"], "bump_rate": round(bump, 4), "shortest_rate": round(counts["shortest"] / moves, 4),
-            "random_bump_rate": round(random_bump, 4), "bump_vs_random": round(bump / max(random_bump, 1e-9), 4)}
+            "random_bump_rate": round(random_bump, 4), "bump_vs_random": round(bump / max(random_bump, 1e-9), 4),
+            "greedy_failures": failures, "samples": args.samples, "temperature": args.temperature,
+            "sampled_success": (round(sum(map(solved, sampled)) / len(sampled), 4) if sampled else None)}
 
 
 def main() -> None:

@@ -2,7 +2,9 @@
 
 from collections import Counter
 
-from bench.moves import Args, counting, measure
+import pytest
+
+from bench.moves import Args, counting, measure, recorded, solved
 from envs import make_env
 from envs.maze import MOVES, shortest_path
 
@@ -30,3 +32,33 @@ def test_the_bench_reports_a_policys_moves_on_the_image_maze(tiny_vlm):
     figures = measure(Args(model=tiny_vlm, env="image-maze", episodes=2, max_new_tokens=4))
     assert figures["moves"] > 0 and 0 <= figures["bump_rate"] <= 1 and 0 <= figures["shortest_rate"] <= 1
     assert 0 < figures["random_bump_rate"] < 1 and figures["bump_vs_random"] >= 0
+
+
+def test_each_maze_played_is_kept_in_order_and_solved_only_on_its_goal():
+    envs = []
+    make = recorded(lambda: make_env("image-maze"), envs)
+    first, second = make(), make()
+    assert envs == [first, second]
+    first.reset(seed=3)
+    second.reset(seed=3)
+    for move in shortest_path(first.maze, first.pos):
+        first.step(move)
+    second.step(shortest_path(second.maze, second.pos)[0])  # one move of the way
+    assert solved(first) and not solved(second)
+
+
+def test_the_mazes_the_greedy_policy_fails_are_listed_with_how_often_sampling_solves_them(tiny_vlm):
+    """An untrained policy: every maze it fails is listed once with its shortest path, and played
+    `samples` times by the sampling policy."""
+    figures = measure(Args(model=tiny_vlm, env="image-maze", episodes=3, max_new_tokens=4, samples=2, temperature=1.0))
+    failures = figures["greedy_failures"]
+    assert len(failures) == round((1 - figures["success"]) * 3) > 0
+    assert sorted({f["maze"] for f in failures}) == [f["maze"] for f in failures]
+    assert all(f["shortest"] >= 3 and f["sampled_success"] in (0.0, 0.5, 1.0) for f in failures)
+    assert figures["sampled_success"] == sum(f["sampled_success"] for f in failures) / len(failures)
+
+
+@pytest.mark.parametrize("samples, temperature", [(-1, 0.7), (4, 0.0)])
+def test_sampled_plays_need_a_count_and_a_temperature_above_zero(samples, temperature):
+    with pytest.raises(ValueError, match="--samples ≥ 0 and --temperature > 0"):
+        measure(Args(model="builtin:no-such-model", samples=samples, temperature=temperature))
