@@ -115,9 +115,7 @@ def measure(args: Args) -> dict:
         engine.close()
     failures = []
     for k, i in enumerate(failed):
-        start = make_env(args.env)
-        start.reset(options=tasks[i])
-        failure = {"maze": i, "shortest": len(shortest_path(start.maze, start.pos))}
+        failure = {"maze": i, "shortest": len(shortest_path(greedy[i].maze))}
         if sampled:
             plays = sampled[k * args.samples:(k + 1) * args.samples]
             failure["sampled_success"] = sum(map(solved, plays)) / args.samples
