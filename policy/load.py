@@ -22,7 +22,7 @@ from pathlib import Path
 from policy.cache import build_once, cache_dir, is_built
 
 BUILTIN_DIRS = {"builtin:tiny": "tiny-v1", "builtin:maze": "maze-sft-v2",
-                "builtin:tiny-vlm": "tiny-vlm-v2", "builtin:vlm": "image-maze-sft-v4"}
+                "builtin:tiny-vlm": "tiny-vlm-v3", "builtin:vlm": "image-maze-sft-v6"}
 """Each built-in's directory under `cache_dir()`. A new name whenever what is built changes, so
 that an old cache entry is never taken for the new one."""
 
