@@ -120,9 +120,10 @@ def image_seq_len(vision: dict = VISION) -> int:
     return (IMAGE_SIZE // vision["patch"]) ** 2 // vision["scale"] ** 2
 
 
-def build_vlm(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4, seed: int = 0,
+def build_vlm(tokenizer, hidden: int = 128, layers: int = VLM_TEXT_LAYERS, heads: int = 4, seed: int = 0,
               vision: dict = VISION):
-    """The tiny Idefics3: the tiny policy's decoder as its text model, a small vision tower."""
+    """The tiny Idefics3: the tiny policy's decoder (`layers` deep) as its text model, a small
+    vision tower."""
     import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
 
@@ -179,7 +180,7 @@ def save_tiny_vlm(path: str | Path, seed: int = 0, vision: dict = VISION) -> Pat
     """Write a randomly initialised tiny vision-language policy (model + processor) to `path`."""
     path = Path(path)
     tokenizer = build_tokenizer(vision=True)
-    model = build_vlm(tokenizer, layers=VLM_TEXT_LAYERS, seed=seed, vision=vision)
+    model = build_vlm(tokenizer, seed=seed, vision=vision)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
