@@ -11,6 +11,7 @@ from learner.checkpoint import CheckpointError, Checkpoints, resume_version
 from replay.buffer import ReplayBuffer
 from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
+from tests.learner.ranks import as_rank
 from tests.learner.test_fsdp import _port
 from tests.replay.helpers import make_group
 
@@ -79,7 +80,7 @@ def _resumed_run(rank, model, endpoint, url, run_dir, out):
 
 def _run_ranks(target, model, endpoint, run_dir, out, ctx):
     url = f"tcp://127.0.0.1:{_port()}"
-    procs = [ctx.Process(target=target, args=(r, model, endpoint, url, str(run_dir), out)) for r in (0, 1)]
+    procs = [ctx.Process(target=as_rank, args=(target, r, model, endpoint, url, str(run_dir), out)) for r in (0, 1)]
     for p in procs:
         p.start()
     results = {}
@@ -88,7 +89,7 @@ def _run_ranks(target, model, endpoint, run_dir, out, ctx):
         results[item[0]] = item[1:]
     for p in procs:
         p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0], "a rank aborted"
+    assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
     return results
 
 

@@ -8,6 +8,7 @@ import numpy as np
 from replay.buffer import ReplayBuffer
 from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
+from tests.learner.ranks import as_rank
 from tests.replay.helpers import make_group
 
 
@@ -46,13 +47,13 @@ def test_two_ranks_train_to_identical_changed_lora_weights(tiny_model):
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         url = f"tcp://127.0.0.1:{_port()}"
-        procs = [ctx.Process(target=_rank, args=(r, tiny_model, endpoint, url, out)) for r in (0, 1)]
+        procs = [ctx.Process(target=as_rank, args=(_rank, r, tiny_model, endpoint, url, out)) for r in (0, 1)]
         for p in procs:
             p.start()
         results = dict((r, (b, a, m)) for r, b, a, m in (out.get(timeout=240) for _ in procs))
         for p in procs:
             p.join(60)
-        assert [p.exitcode for p in procs] == [0, 0], "a rank aborted at exit"
+        assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
     finally:
         server.stop()
     (b0, a0, m0), (_, a1, m1) = results[0], results[1]
@@ -120,13 +121,13 @@ def test_ppo_trains_policy_and_critic_adapters_on_two_ranks(tiny_model):
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         url = f"tcp://127.0.0.1:{_port()}"
-        procs = [ctx.Process(target=_ppo_rank, args=(r, tiny_model, endpoint, url, out)) for r in (0, 1)]
+        procs = [ctx.Process(target=as_rank, args=(_ppo_rank, r, tiny_model, endpoint, url, out)) for r in (0, 1)]
         for p in procs:
             p.start()
         results = {r: rest for r, *rest in (out.get(timeout=300) for _ in procs)}
         for p in procs:
             p.join(60)
-        assert [p.exitcode for p in procs] == [0, 0], "a rank aborted at exit"
+        assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
     finally:
         server.stop()
     (b0, a0, cb0, ca0, m0), (_, a1, _, ca1, m1) = results[0], results[1]
@@ -184,7 +185,7 @@ def test_adapter_snapshots_on_one_rank_do_not_follow_training(tiny_model):
             client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0]))
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        p = ctx.Process(target=_one_rank, args=(tiny_model, endpoint, f"tcp://127.0.0.1:{_port()}", out))
+        p = ctx.Process(target=as_rank, args=(_one_rank, tiny_model, endpoint, f"tcp://127.0.0.1:{_port()}", out))
         p.start()
         kept, snapshot, moved = out.get(timeout=240)
         p.join(60)
@@ -229,13 +230,13 @@ def test_maxima_are_reduced_over_ranks_with_max(tiny_model):
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         url = f"tcp://127.0.0.1:{_port()}"
-        procs = [ctx.Process(target=_max_rank, args=(r, tiny_model, endpoint, url, out)) for r in (0, 1)]
+        procs = [ctx.Process(target=as_rank, args=(_max_rank, r, tiny_model, endpoint, url, out)) for r in (0, 1)]
         for p in procs:
             p.start()
         results = {r: (local, m) for r, local, m in (out.get(timeout=240) for _ in procs)}
         for p in procs:
             p.join(60)
-        assert [p.exitcode for p in procs] == [0, 0], "a rank aborted at exit"
+        assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
     finally:
         server.stop()
     ([local0], m0), ([local1], m1) = results[0], results[1]

@@ -10,6 +10,7 @@ import torch
 
 from learner.logprobs import chunked_terms, model_terms, target_logprobs
 from learner.losses import token_entropy, token_logprobs
+from tests.learner.ranks import as_rank
 from tests.learner.test_fsdp import _port
 
 close = torch.testing.assert_close
@@ -159,13 +160,13 @@ def test_chunks_under_a_two_rank_fsdp_learner_equal_the_whole_logits(tiny_model,
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     url = f"tcp://127.0.0.1:{_port()}"
-    procs = [ctx.Process(target=_fsdp_rank, args=(r, tiny_model, dtype, url, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=as_rank, args=(_fsdp_rank, r, tiny_model, dtype, url, out)) for r in (0, 1)]
     for p in procs:
         p.start()
     results = {r: (res, tied) for r, res, tied in (out.get(timeout=240) for _ in procs)}
     for p in procs:
         p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0], "a rank aborted at exit"
+    assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
     results = {r: ({key: tuple(torch.from_numpy(a) for a in value[:3]) + ({n: torch.from_numpy(g) for n, g in
                                                                          value[3].items()},)
                     for key, value in res.items()}, tied) for r, (res, tied) in results.items()}

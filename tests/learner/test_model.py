@@ -11,6 +11,7 @@ import pytest
 from replay.buffer import ReplayBuffer
 from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
+from tests.learner.ranks import as_rank
 from tests.learner.test_fsdp import _port
 from tests.replay.helpers import make_group
 
@@ -20,7 +21,7 @@ def _spawn(target, *args, timeout=300) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     url = f"tcp://127.0.0.1:{_port()}"
-    procs = [ctx.Process(target=target, args=(r, url, *args, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=as_rank, args=(target, r, url, *args, out)) for r in (0, 1)]
     for p in procs:
         p.start()
     results, deadline = {}, time.monotonic() + timeout
@@ -35,7 +36,7 @@ def _spawn(target, *args, timeout=300) -> dict:
         p.join(60 if len(results) == len(procs) else 1)
         if p.is_alive():
             p.kill()
-    assert [p.exitcode for p in procs] == [0, 0], "a rank aborted"
+    assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
     return results
 
 

@@ -6,6 +6,7 @@ import torch
 from learner.batch import Batch
 from learner.losses import AGGREGATIONS, CORRECTIONS, correct, policy_loss
 from learner.plan import StepSums, micro_batches, reduce_metrics, shares, token_micro_batches, trained_rows
+from tests.learner.ranks import as_rank
 
 close = torch.testing.assert_close
 
@@ -166,7 +167,7 @@ def test_a_step_in_token_budget_micro_batches_equals_one_pass(tiny_model):
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    p = ctx.Process(target=_one_step, args=(tiny_model, [{"micro_batch": 16}, {"micro_batch_tokens": 100}], out))
+    p = ctx.Process(target=as_rank, args=(_one_step, tiny_model, [{"micro_batch": 16}, {"micro_batch_tokens": 100}], out))
     p.start()
     (whole, m_whole, g_whole), (budget, m_budget, g_budget) = out.get(timeout=240)
     p.join(60)
