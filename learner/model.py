@@ -110,6 +110,7 @@ def build_policy(source, lora: LoraSpec | None, mesh, device: torch.device, dtyp
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, PretrainedConfig
 
+    from policy.attention import use_gqa_sdpa
     from policy.load import model_class
 
     pretrained = not isinstance(source, PretrainedConfig)
@@ -119,6 +120,7 @@ def build_policy(source, lora: LoraSpec | None, mesh, device: torch.device, dtyp
     full = _rank0_state_dict(source, lora, dtype, critic) if pretrained and dist.get_rank() == 0 else {}
     with _parameters_on_meta():
         base = model_class(config).from_config(config, dtype=dtype)
+        use_gqa_sdpa(base)
         model = _add_adapters(base, lora, critic)
         if lora is None:
             base.requires_grad_(False)  # frozen before sharding: FSDP then reduces no base gradient

@@ -173,7 +173,10 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
     import torch
     from transformers import AutoConfig
 
+    from policy.attention import use_gqa_sdpa
+
     model = model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=getattr(torch, dtype))
+    use_gqa_sdpa(model)
     return model.to(device)
 
 
