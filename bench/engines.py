@@ -70,8 +70,11 @@ class _Weights:
         return self.adapter
 
 
-def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int, env: str = "maze") -> float:
-    """Trajectories per second of one actor with engine `kind` on `env` over `groups` timed groups."""
+def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int, env: str = "maze",
+         group_size: int | None = None, attention: str | None = None) -> float:
+    """Trajectories per second of one actor with engine `kind` on `env` over `groups` timed groups
+    (of `group_size` episodes: the actor's default if None); `attention`: the torch engine's
+    model switched to that transformers attention implementation (None: as loaded)."""
     from actors.actor import Actor, ActorConfig
     from actors.engines import make_engine
     from bench.parity import random_adapter
@@ -81,12 +84,14 @@ def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int, env: s
     from policy.adapter import Adapter
 
     cfg = Config()
-    actor_cfg = ActorConfig(engine=kind)
+    actor_cfg = ActorConfig(engine=kind) if group_size is None else ActorConfig(engine=kind, group_size=group_size)
     # The warm start's policy through a LoRA adapter (A = B = 0): the adapter's computation
     # runs, as it does from the first update of a run on, and the episodes are the warm start's.
     adapter = {k: v.zero_() for k, v in random_adapter(model_path, cfg.learner.lora).items()}
     engine = make_engine(kind, model_path, cfg.learner.lora, seed=seed,
                          **actor_cfg.engine_options())
+    if attention is not None:
+        engine.model.get_base_model().set_attn_implementation(attention)
     try:
         chat = load_chat(model_path)
         kwargs = cfg.env_kwargs()
