@@ -68,8 +68,9 @@ def learner_pass_s(model_path: str, attention: str, rows: int, tokens: int, step
     vocab = model.get_base_model().config.get_text_config().vocab_size
     ids = torch.randint(3, min(vocab, 1000), (rows, tokens), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    for i in range(rows // 2, rows):  # the second half right-padded, by up to half its length
-        mask[i, tokens - (i - rows // 2 + 1) * tokens // (2 * max(rows - rows // 2, 1)):] = 0
+    padded = range(rows // 2, rows)  # the second half right-padded, by more each row, up to half
+    for j, i in enumerate(padded, 1):
+        mask[i, tokens - j * tokens // (2 * len(padded)):] = 0
     times = []
     for _ in range(steps + 1):
         t = time.perf_counter()

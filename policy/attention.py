@@ -5,7 +5,7 @@ models, Llama, Qwen2) runs transformers' "sdpa" attention. Given a mask, which t
 always passes (its cache has holes, actors/torch_engine.py) and the learner's padded batches
 too, transformers repeats each key-value head for its query heads before torch's kernel
 (`repeat_kv`): on the CPU a decoding step then copies the whole KV cache of every layer, and that
-copy was a fifth of an actor's time on the image maze (docs/vision.md). torch's kernel takes the
+copy was an eighth of an actor's time on the image maze (docs/engines.md). torch's kernel takes the
 grouped heads as they are (`enable_gqa=True`) with a mask on the CPU, and gives the same numbers.
 
 `GQA_SDPA` is transformers' "sdpa" attention with that one change: on CPU tensors with a mask and
@@ -21,19 +21,21 @@ Usage::
 
 from __future__ import annotations
 
+import torch
+from transformers.integrations import sdpa_attention as hf
+
 GQA_SDPA = "tandem_gqa_sdpa"
 """The attention implementation's name in transformers' registries."""
+
+_PAGED = getattr(hf, "PagedAttentionCache", None)
+"""transformers' paged cache (absent in some versions): updated inside "sdpa", so never bypassed."""
 
 
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               is_causal: bool | None = None, **kwargs):
-    import torch
-    from transformers.integrations import sdpa_attention as hf
-
     grouped = getattr(module, "num_key_value_groups", 1) > 1
-    paged = getattr(hf, "PagedAttentionCache", None)  # updated inside "sdpa": never bypassed
     if (attention_mask is None or not grouped or query.device.type != "cpu" or kwargs.get("position_bias") is not None
-            or (paged is not None and isinstance(kwargs.get("cache"), paged))):
+            or (_PAGED is not None and isinstance(kwargs.get("cache"), _PAGED))):
         return hf.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                          is_causal=is_causal, **kwargs)
     # With a mask, transformers' "sdpa" never sets is_causal (the mask holds the causal pattern).

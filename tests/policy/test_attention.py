@@ -25,11 +25,10 @@ def _pair(path: str):
     stock = with_lora(load_model(path), LoraSpec())
     gqa = with_lora(load_model(path), LoraSpec())
     stock.get_base_model().set_attn_implementation("sdpa")
+    for name, p in stock.named_parameters():  # B = 0 after init: give the adapter something to say
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
     gqa.load_state_dict(stock.state_dict())
-    for model in (stock, gqa):  # B = 0 after init: give the adapter something to say
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(hash(name) % 2**31))
     return stock, gqa
 
 
