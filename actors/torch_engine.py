@@ -10,7 +10,9 @@ session id, so multi-turn episodes reuse their KV cache across turns; a prompt
 that does not extend its row rebuilds the cache from the token lists. When
 holes pile up, the cache is compacted by gathering each row's real slots to the
 front: keys carry their rotary positions, and attention does not depend on where
-in the cache a key sits, so this is exact and costs no forward pass.
+in the cache a key sits, so this is exact and costs no forward pass. Each layer
+appends into room kept at the end of its keys and values (actors/kv_cache.py), so
+a decoding step writes its new slots instead of copying the whole cache.
 
 A new adapter either keeps the cache (the default, PipelineRL's in-flight
 update: running episodes continue on keys and values computed by the previous
@@ -51,10 +53,13 @@ from actors.engine import Completion, SamplingParams, engine_dtype, stream_seed,
 
 class TorchEngine:
     def __init__(self, model_path: str, lora, device: str = "cpu", seed: int = 0,
-                 dtype: str = "auto", recompute_kv: bool = False, merge_lora: bool = True, model=None) -> None:
+                 dtype: str = "auto", recompute_kv: bool = False, merge_lora: bool = True, model=None,
+                 growing_kv: bool = True) -> None:
         """`model`: a PEFT model to generate with instead of loading `model_path` (colocated mode:
         a learner rank's own, its policy adapter as trained; nothing is loaded, merged or copied).
-        `dtype` "auto": bfloat16 on CUDA, float32 on CPU (`engine_dtype`)."""
+        `dtype` "auto": bfloat16 on CUDA, float32 on CPU (`engine_dtype`). `growing_kv` False:
+        transformers' DynamicCache, which concatenates, instead of actors/kv_cache.py's (the same
+        numbers; bench/kv_cache.py measures one against the other)."""
         import torch
         from peft.tuners.lora import LoraLayer
 
@@ -83,6 +88,7 @@ class TorchEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for unseeded requests
         self.version = 0
         self.recompute_kv = recompute_kv
+        self.growing_kv = growing_kv
         # (LoRA layer, its base weight W₀) for every adapted layer, when merging
         self._merged = [(m, m.base_layer.weight.detach().clone()) for m in self.model.modules()
                         if isinstance(m, LoraLayer)] if merge_lora else []
@@ -257,7 +263,9 @@ class TorchEngine:
     def _rebuild(self, prompts, sessions) -> list[list[int]]:
         from transformers import DynamicCache
 
-        self._cache = DynamicCache()
+        from actors.kv_cache import growing_cache
+
+        self._cache = growing_cache() if self.growing_kv else DynamicCache()
         self._rows = [[] for _ in prompts]
         self._fed = [0] * len(prompts)
         self._next = [0] * len(prompts)

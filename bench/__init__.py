@@ -5,6 +5,7 @@ and a ratio divides by at least one tick of the clock (`ratio`), so it is always
 """
 
 import math
+import statistics
 import time
 
 TICK = time.get_clock_info("perf_counter").resolution
@@ -21,3 +22,10 @@ def sig(x: float, digits: int = 4) -> float:
 def ratio(num: float, den: float, digits: int = 4) -> float:
     """num / den for two measured times (or rates), the denominator at least one clock tick."""
     return sig(num / max(den, TICK), digits)
+
+
+def with_medians(figures: dict) -> dict:
+    """`figures` with `<key>_median` added for every list of per-round ratios (a key holding "ratio")."""
+    for key in [k for k in figures if "ratio" in k and isinstance(figures[k], list)]:
+        figures[f"{key}_median"] = sig(statistics.median(figures[key]))
+    return figures

@@ -25,7 +25,7 @@ import json
 import statistics
 import time
 
-from bench import ratio, sig
+from bench import ratio, sig, with_medians
 from policy.attention import GQA_SDPA
 
 ATTENTIONS = ("sdpa", GQA_SDPA)
@@ -104,9 +104,7 @@ def measure(args: argparse.Namespace) -> dict:
             out.setdefault(f"learner_pass_s_{a}", []).append(sig(v))
         out.setdefault("learner_ratio", []).append(ratio(times["sdpa"], times[GQA_SDPA]))
         print(f"round {r} learner: {times['sdpa']:.3f} s on sdpa, {times[GQA_SDPA]:.3f} s on {GQA_SDPA}", flush=True)
-    for key in [k for k in out if "ratio" in k]:
-        out[f"{key}_median"] = sig(statistics.median(out[key]))
-    return out
+    return with_medians(out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -71,10 +71,11 @@ class _Weights:
 
 
 def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int, env: str = "maze",
-         group_size: int | None = None, attention: str | None = None) -> float:
+         group_size: int | None = None, attention: str | None = None, **engine_options) -> float:
     """Trajectories per second of one actor with engine `kind` on `env` over `groups` timed groups
     (of `group_size` episodes: the actor's default if None); `attention`: the torch engine's
-    model switched to that transformers attention implementation (None: as loaded)."""
+    model switched to that transformers attention implementation (None: as loaded);
+    `engine_options`: the engine's own keyword arguments, over the config's."""
     from actors.actor import Actor, ActorConfig
     from actors.engines import make_engine
     from bench.parity import random_adapter
@@ -89,7 +90,7 @@ def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int, env: s
     # runs, as it does from the first update of a run on, and the episodes are the warm start's.
     adapter = {k: v.zero_() for k, v in random_adapter(model_path, cfg.learner.lora).items()}
     engine = make_engine(kind, model_path, cfg.learner.lora, seed=seed,
-                         **actor_cfg.engine_options())
+                         **{**actor_cfg.engine_options(), **engine_options})
     if attention is not None:
         engine.model.get_base_model().set_attn_implementation(attention)
     try:
