@@ -55,12 +55,13 @@ class GrowingLayer(DynamicLayer):
 
     def _append(self, name: str, new: torch.Tensor) -> None:
         buf, n = self._buffers[name], self._filled[name]
+        if n and (buf.shape[:2] != new.shape[:2] or buf.shape[-1] != new.shape[-1]):
+            # torch.cat would refuse them; writing into the room would broadcast a single row
+            raise ValueError(f"KV cache: {name} of shape {tuple(new.shape)} appended to {tuple(buf[:, :, :n].shape)}")
         total = n + new.shape[-2]
-        if buf is None or buf.dim() != 4 or total > buf.shape[-2]:
+        if not n or total > buf.shape[-2]:
             room = new.new_empty((*new.shape[:2], total + max(MIN_ROOM, total // 4), new.shape[-1]))
             if n:
-                if buf.shape[:2] != new.shape[:2]:  # as torch.cat would refuse them
-                    raise ValueError(f"KV cache: {tuple(new.shape)} appended to {tuple(buf.shape)}")
                 room[:, :, :n] = buf[:, :, :n]
             buf = self._buffers[name] = room
         buf[:, :, n:total] = new

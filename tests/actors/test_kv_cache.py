@@ -74,12 +74,16 @@ def test_a_step_writes_into_the_room_and_leaves_earlier_views_as_they_were():
     assert torch.equal(layer.keys[:, :, :10], first) and layer.get_seq_length() == kv_cache.MIN_ROOM + 11
 
 
-def test_keys_of_other_rows_are_refused_with_a_message():
+@pytest.mark.parametrize("rows, slots", [(2, 100), (1, 1), (2, 1)])
+def test_keys_of_other_rows_are_refused_with_a_message(rows, slots):
+    """Whether they fit the room or not: a single row would otherwise be broadcast into every row."""
     gen = torch.Generator().manual_seed(2)
     layer = GrowingLayer()
     layer.update(*_kv(gen, 3, 4))
-    with pytest.raises(ValueError, match="appended to"):
-        layer.update(*_kv(gen, 2, 100))
+    before = layer.keys.clone()
+    with pytest.raises(ValueError, match=r"keys of shape \(%d, 2, %d, 8\) appended to \(3, 2, 4, 8\)" % (rows, slots)):
+        layer.update(*_kv(gen, rows, slots))
+    assert torch.equal(layer.keys, before)
 
 
 def _episodes(engine, chat):
