@@ -3,9 +3,9 @@ at the end of their keys and values instead of concatenating.
 
 transformers' DynamicLayer appends a forward's keys and values with `torch.cat`, which copies the
 whole cache of the layer: every decoding step of a batch copies every layer's keys and values
-once, so a turn of n tokens over a context of L costs n copies of L. On the image maze (contexts
-of 300-600 tokens, turns of a few tokens) that copy was the third largest cost of an actor after
-the linear layers and attention (docs/engines.md). `GrowingLayer` keeps each tensor in a buffer
+once, so a turn of n tokens over a context of L costs n copies of L: little in the mazes' few
+hundred tokens, a third of decoding's time after 8,000 (docs/engines.md, `bench.kv_cache`: 1.54-1.67x
+as fast without it). `GrowingLayer` keeps each tensor in a buffer
 with room on the time axis and writes new slots into it; `keys` and `values` are views of the
 filled part. A full buffer moves into one with a quarter more room than it fills (at least
 MIN_ROOM slots): appending then costs the new slots, plus one copy of the cache each time it
