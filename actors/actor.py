@@ -146,20 +146,6 @@ class ActorConfig:
     max_images: int = 32
     """vLLM, vision-language models: most images in one episode's prompt (vLLM sizes its encoder
     cache for it; the image maze shows one a turn)."""
-    screen: int = 0
-    """Episodes of a group played first, as a screen (0, or the group size or more: none; the
-    whole group starts at once).
-    When every one of them earns at least --actor.screen-reward, the policy has learned the task
-    and the group is dropped there, before its other episodes play: they would most likely
-    succeed as well, and a group of equal rewards carries no group-relative signal, so late in a
-    run most of the actors' work would go to groups the replay service drops
-    (--replay.drop-zero-variance). Otherwise the group's other episodes start on the same task
-    and the screened ones stay in it. Groups that all fail are not screened: a hard task solved
-    once in a whole group is what GRPO learns from. GRPO and RLOO in the asynchronous mode;
-    --env image-maze sets 4."""
-    screen_reward: float = 1.0
-    """The reward every --actor.screen episode must reach for its group to be dropped: a solved
-    task's (the mazes give 1.0 at the goal)."""
 
     @property
     def num_gpus(self) -> float:
@@ -226,10 +212,6 @@ class ActorConfig:
             raise ValueError("--actor.max-new-tokens must be ≥ 1 and below --actor.max-tokens")
         if self.env_timeout_s <= 0:
             raise ValueError(f"--actor.env-timeout-s must be positive, got {self.env_timeout_s}")
-        if self.screen < 0:
-            raise ValueError(f"--actor.screen must be 0 (off) or a number of episodes, got {self.screen}")
-        if not math.isfinite(self.screen_reward):
-            raise ValueError(f"--actor.screen-reward must be a finite number, got {self.screen_reward}")
         if self.env_threads < 0:
             raise ValueError(f"--actor.env-threads must be 0 (scaled with the episodes) or more, got {self.env_threads}")
 
@@ -238,10 +220,6 @@ SAMPLE_EPISODES = 4
 """Episodes of the last group an actor's stats show as text."""
 SAMPLE_CHARS = 8000
 """The end of each sample episode's text kept (its prompt may be long; the turns are at the end)."""
-SCREEN_PATIENCE = 8
-"""Groups an actor drops in a row by --actor.screen before it plays the next one whole anyway,
-so that a run whose policy solves every task still sends groups (replay's
---replay.drop-patience then decides whether to keep them)."""
 MAX_INFO_KEYS = 32
 """Distinct `info` keys counted per actor (an environment that puts ids in its keys cannot flood the logs)."""
 
@@ -252,10 +230,6 @@ class _Live:
     task: str
     episodes: list[Episode]
     started: float
-    credit: int  # the policy version of the replay credit the group was started with
-    seed: int  # the task's
-    n: int  # the actor's n-th group: its episodes' random streams
-    options: dict  # the environment's reset options (every episode plays the same task)
 
 
 class Actor:
@@ -281,7 +255,6 @@ class Actor:
         self._finish = Counter()
         self._info: dict[str, list[float]] = {}  # info key -> [sum, episodes] of its numbers
         self._sample: tuple | None = None  # the last pushed group: (task, version, [(reward, reason, tokens)])
-        self._screened_in_a_row = 0
         self._lock = threading.Lock()
         self._loans: list[tuple[Callable, Any, Future]] = []  # `lend` calls waiting for the engine
         self._stopped = False
@@ -343,7 +316,8 @@ class Actor:
             pending += self.replay.credits(timeout=0.0 if live else 0.2)
             pending.sort()
             while pending and pending[0] <= self.engine.version and not self._loans:
-                live.append(self._start_group(pending.pop(0)))
+                pending.pop(0)
+                live.append(self._start_group())
             if not live:
                 if pending:  # credits for weights this actor has not received yet
                     waited = waited or time.monotonic()
@@ -360,13 +334,6 @@ class Actor:
                 self._stats["turn_s"] += time.perf_counter() - t0
                 self._stats["episode_turns"] += n
             for g in [g for g in live if all(e.finish_reason for e in g.episodes)]:
-                if len(g.episodes) < self.cfg.group_size:  # its screen has played
-                    if self._screened_out(g):
-                        live.remove(g)
-                        pending.append(g.credit)  # the credit plays another task
-                    else:
-                        self._add_episodes(g, self.cfg.group_size)
-                    continue
                 live.remove(g)
                 self._push(g)
                 pushed += 1
@@ -379,37 +346,16 @@ class Actor:
         except ReplayUnavailable as exc:
             log.warning("%s: stopping with groups unacknowledged: %s", self.name, exc)
 
-    def _start_group(self, credit: int) -> _Live:
+    def _start_group(self) -> _Live:
         seed, n = int(self.rng.integers(2**31 - 1)), next(self._groups)
         # Every episode of a group plays the same task; the policy version lets an environment
-        # run a curriculum (the group's later episodes get the same options).
+        # run a curriculum.
         options = {"policy_version": self.engine.version}
-        g = _Live(uuid.uuid4().hex, f"seed={seed}", [], time.perf_counter(), credit, seed, n, options)
-        self._add_episodes(g, min(self.cfg.screen or self.cfg.group_size, self.cfg.group_size))
-        return g
-
-    def _add_episodes(self, g: _Live, upto: int) -> None:
-        """Start episodes of `g`'s task until it has `upto`; episode j samples from stream (actor, n, j)."""
-        g.episodes += [start(self.make_env(), self.chat, self.runner, seed=g.seed, options=dict(g.options),
-                             version=self.engine.version,
-                             sampling_seed=stream_seed(self.seed, g.n, j) if self.seeded else None)
-                       for j in range(len(g.episodes), upto)]
-
-    def _screened_out(self, g: _Live) -> bool:
-        """Whether `g`, whose --actor.screen episodes have finished, is dropped: all of them
-        reached --actor.screen-reward (and fewer than SCREEN_PATIENCE groups were dropped in a
-        row). A dropped group's episodes are closed and counted, never sent."""
-        if (min(e.reward for e in g.episodes) < self.cfg.screen_reward
-                or self._screened_in_a_row >= SCREEN_PATIENCE):
-            self._screened_in_a_row = 0
-            return False
-        self._screened_in_a_row += 1
-        for e in g.episodes:
-            close(e)
-        with self._lock:
-            self._stats["screened_groups"] += 1
-            self._stats["screened_trajectories"] += len(g.episodes)
-        return True
+        episodes = [start(self.make_env(), self.chat, self.runner, seed=seed, options=options,
+                          version=self.engine.version,
+                          sampling_seed=stream_seed(self.seed, n, j) if self.seeded else None)
+                    for j in range(self.cfg.group_size)]
+        return _Live(uuid.uuid4().hex, f"seed={seed}", episodes, time.perf_counter())
 
     def _push(self, g: _Live) -> None:
         trajs = [e.trajectory() for e in g.episodes]

@@ -47,7 +47,6 @@ def env_defaults(env: str, algo: str, colocate: bool) -> dict:
     out = copy.deepcopy(ENV_DEFAULTS.get(env, {}))
     if not drops_apply(algo, colocate):
         out.get("replay", {}).pop("drop_zero_variance", None)
-        out.get("actor", {}).pop("screen", None)
     return {section: values for section, values in out.items() if values}
 
 
@@ -173,10 +172,6 @@ class Config:
             raise ValueError("--replay.drop-zero-variance is for group-relative advantages in the asynchronous mode: "
                              + ("PPO's critic learns from every group (use --algo grpo or rloo)" if self.algo == "ppo"
                                 else "--colocate plays exactly each step's batch, with no replay service to drop from"))
-        if self.actor.screen and not drops_apply(self.algo, self.colocate):
-            raise ValueError("--actor.screen is for group-relative advantages in the asynchronous mode: "
-                             + ("PPO's critic learns from solved tasks too (use --algo grpo or rloo)" if self.algo == "ppo"
-                                else "--colocate plays exactly each step's batch"))
         if self.ray_address and not self.replay.sign:
             raise ValueError("--replay.no-sign with --ray-address: frames between nodes are always signed with the "
                              "run's key (drop --replay.no-sign)")

@@ -170,13 +170,10 @@ FINISH_REASONS = ("terminated", "truncated", "length", "env_error")
 
 def actor_scalars(stats: list[dict]) -> dict[str, float]:
     """TensorBoard names for the actors' counters, summed over actors: episodes by finish
-    reason (env_error: the environment raised or ran past --actor.env-timeout-s), and the groups
-    --actor.screen dropped with the episodes they played."""
+    reason (env_error: the environment raised or ran past --actor.env-timeout-s)."""
     out = {f"rollout/finished_{r}": float(sum(s.get(f"finish/{r}", 0) for s in stats)) for r in FINISH_REASONS}
     out["rollout/env_errors"] = out["rollout/finished_env_error"]
     out["rollout/env_calls_abandoned"] = float(sum(s.get("env_abandoned", 0) for s in stats))
-    out["rollout/screened_groups"] = float(sum(s.get("screened_groups", 0) for s in stats))
-    out["rollout/screened_trajectories"] = float(sum(s.get("screened_trajectories", 0) for s in stats))
     return out
 
 

@@ -2,7 +2,6 @@
 
 import threading
 import time
-from collections import Counter
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from actors.actor import Actor, ActorConfig
 from actors.engine import SamplingParams
 from actors.torch_engine import TorchEngine
 from envs import make_env
-from envs.base import TextEnv
 from policy.load import LoraSpec
 from replay.buffer import ReplayBuffer
 from replay.client import LocalReplay
@@ -19,7 +17,6 @@ from replay.wire import decode_group
 from policy.adapter import Adapter
 from weights.chunks import decode_adapter, encode_adapter
 from weights.publisher import WeightPublisher
-from weights.local import InProcessWeights
 from weights.subscriber import WeightSubscriber
 
 LORA = LoraSpec(rank=4)
@@ -197,7 +194,7 @@ def test_turns_are_seeded_except_with_vllm_on_a_gpu_unless_asked(tiny_model, cha
             actor = Actor(ActorConfig(group_size=2, seeded=choice), "actor-0", engine, chat,
                           lambda: make_env("maze"), LocalReplay(ReplayBuffer(groups_per_step=2, max_staleness=100), actor="actor-0"), subscriber)
             try:
-                episodes = actor._start_group(0).episodes
+                episodes = actor._start_group().episodes
                 assert [e.sampling_seed is not None for e in episodes] == [seeded, seeded]
             finally:
                 actor.runner.close()
@@ -222,9 +219,9 @@ def test_an_actor_lends_its_engine_between_its_groups_and_plays_on(tiny_model, c
     counts = {"started": 0, "pushed": 0}
     start_group, push = actor._start_group, actor._push
 
-    def started(credit):
+    def started():
         counts["started"] += 1
-        return start_group(credit)
+        return start_group()
 
     def pushed(g):
         push(g)
@@ -264,82 +261,3 @@ def test_an_actor_lends_its_engine_between_its_groups_and_plays_on(tiny_model, c
     assert borrowed == evaluate(fresh, chat, lambda: make_env("maze"), tasks, 4, 512)
     with pytest.raises(RuntimeError, match="actor-0 has stopped: it has no engine to lend"):
         actor.lend(play)
-
-
-class Graded(TextEnv):
-    """One turn on a task drawn from the seed. Half the tasks are solved by every episode (1.0);
-    on the others the k-th episode reset of the task earns k % 2, so any two of its episodes
-    disagree. `played` counts the resets of each task."""
-
-    def __init__(self, played: Counter, lock: threading.Lock) -> None:
-        super().__init__()
-        self.played, self.lock = played, lock
-
-    def _reset(self, options):
-        self.task = int(self.np_random.integers(2**62))
-        with self.lock:
-            self.k = self.played[self.task]
-            self.played[self.task] += 1
-        return f"task {self.task} at version {options['policy_version']}", {}
-
-    def _step(self, text):
-        return "done", 1.0 if self.task % 2 == 0 else float(self.k % 2), True, False, {}
-
-
-def screening_actor(tiny_model, chat, groups_in_flight: int):
-    played, lock = Counter(), threading.Lock()
-    weights = InProcessWeights()
-    engine = TorchEngine(tiny_model, LORA)
-    weights.publish(random_adapter(engine, version=0, scale=0.0))
-    buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
-    cfg = ActorConfig(group_size=6, groups_in_flight=groups_in_flight, max_new_tokens=2, screen=2)
-    actor = Actor(cfg, "actor-0", engine, chat, lambda: Graded(played, lock), LocalReplay(buffer),
-                  weights.subscriber())
-    return actor, buffer, played
-
-
-def test_a_screened_group_whose_first_episodes_all_succeed_is_dropped_before_the_rest_play(
-        tiny_model, chat, monkeypatch):
-    """With --actor.screen 2 a group plays 2 episodes first: a task both solve is dropped there
-    and its credit plays another task; any other task plays its 4 more episodes, on the same
-    task, and the group of 6 is sent whole."""
-    monkeypatch.setattr("actors.actor.SCREEN_PATIENCE", 10**6)
-    actor, buffer, played = screening_actor(tiny_model, chat, groups_in_flight=2)
-    actor.run(threading.Event(), max_groups=8)
-    groups = [decode_group(e.blob) for e in buffer.queue]
-    assert len(groups) == 8
-    sent = set()
-    for g in groups:
-        texts = {chat.tokenizer.decode(t.tokens[t.mask == 0][:40]) for t in g.trajectories}
-        assert len(g.trajectories) == 6 and len(texts) == 1, texts  # one task, one start version
-        task = int(next(iter(texts)).split("task ")[1].split()[0])
-        assert task % 2 == 1 and played[task] == 6 and sent.isdisjoint({task})
-        assert sorted(t.reward for t in g.trajectories) == [0.0] * 3 + [1.0] * 3
-        sent.add(task)
-    solved = [task for task in played if task % 2 == 0]
-    assert solved and all(played[task] == 2 for task in solved), "a solved task played past its screen"
-    stats = actor.stats()
-    assert stats["screened_groups"] == len(solved) and stats["screened_trajectories"] == 2 * len(solved)
-    assert stats["groups"] == 8 and stats["trajectories"] == 48
-
-
-def test_an_actor_whose_policy_solves_every_screen_still_sends_groups(tiny_model, chat, monkeypatch):
-    """SCREEN_PATIENCE screened groups in a row, then one plays whole: replay's own patience
-    decides what a run that has learned every task trains on, and the run steps."""
-    from actors.actor import SCREEN_PATIENCE
-
-    monkeypatch.setattr(Graded, "_step", lambda self, text: ("done", 1.0, True, False, {}))
-    actor, buffer, played = screening_actor(tiny_model, chat, groups_in_flight=1)
-    actor.run(threading.Event(), max_groups=2)
-    groups = [decode_group(e.blob) for e in buffer.queue]
-    assert [len(g.trajectories) for g in groups] == [6, 6]
-    assert all(t.reward == 1.0 for g in groups for t in g.trajectories)
-    assert actor.stats()["screened_groups"] == 2 * SCREEN_PATIENCE
-    assert sorted(played.values()) == [2] * 2 * SCREEN_PATIENCE + [6, 6]
-
-
-def test_screen_settings_are_checked():
-    with pytest.raises(ValueError, match="--actor.screen must be 0 \\(off\\) or a number of episodes"):
-        ActorConfig(screen=-1)
-    with pytest.raises(ValueError, match="--actor.screen-reward must be a finite number"):
-        ActorConfig(screen=2, screen_reward=float("nan"))

@@ -93,12 +93,6 @@ def test_equal_reward_groups_are_dropped_for_group_relative_advantages_only():
     with pytest.raises(ValueError, match="--colocate plays exactly each step's batch"):
         Config(replay=on, colocate=True)
     assert not Config().replay.make_buffer(2, 1, 1).drop_zero_variance  # off unless asked for
-    screened = ActorConfig(screen=4)  # the actors' screen of solved tasks: the same runs only
-    assert Config(actor=screened, algo="rloo").actor.screen == 4
-    with pytest.raises(ValueError, match="--actor.screen is for group-relative advantages .*use --algo grpo"):
-        Config(actor=screened, algo="ppo")
-    with pytest.raises(ValueError, match="--actor.screen is for .* --colocate plays exactly each step's batch"):
-        Config(actor=screened, colocate=True)
     assert ReplayConfig(drop_patience=3).make_buffer(2, 1, 1).drop_limit == 6
     with pytest.raises(ValueError, match="--replay.drop-patience must be at least 1"):
         ReplayConfig(drop_patience=0)
