@@ -151,6 +151,14 @@ class LearnerConfig:
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input in the forward and recompute the layer in the backward:
     activation memory of one layer instead of all, for about a third more compute."""
+    keep_gathered: Literal["auto", "on", "off"] = "auto"
+    """Gradient accumulation with fewer collectives: the parameters FSDP gathers for an optimizer
+    update's first micro-batch stay gathered until its last, and gradients are reduced once, after
+    the last: per FSDP unit one all-gather and one reduce-scatter an update, instead of two
+    all-gathers and a reduce-scatter every micro-batch. The cost is the whole model in every
+    rank's memory during the update. "auto": on with the CPU (gloo), where models are small and
+    every collective waits for a busy core; off with CUDA, where FSDP's sharding is what lets a
+    model fit. The same updates either way."""
     save_every: int = 0
     """Save the adapter under --logdir every this many steps (0 = only at the end)."""
     restarts: int = 2

@@ -124,6 +124,7 @@ class Learner(Forward):
                                 rank=self.rank, world_size=self.world)
         mesh = init_device_mesh(self.device.type, (self.world,))
         self.dtype = resolve_dtype(self.cfg.dtype, self.device)
+        self.keep_gathered = self.cfg.keep_gathered == "on" or (self.cfg.keep_gathered == "auto" and not cuda)
         model, self.value_head = build_policy(
             self.base_config or self.model_path, self.cfg.lora, mesh, self.device, self.dtype,
             critic=self.algo == "ppo", checkpointing=self.cfg.activation_checkpointing)
@@ -261,13 +262,46 @@ class Learner(Forward):
         """One optimizer step on the rows `mini`: gradients accumulated over its micro-batches,
         clipped; the micro-batches' losses and metrics go into `sums` (a plan.StepSums)."""
         self.optimizer.zero_grad(set_to_none=True)
-        for chunk, share in self._plan(batch, mini):
+        plan = self._plan(batch, mini)  # as many micro-batches on every rank: `last` is the same on all
+        for k, (chunk, share) in enumerate(plan):
+            self._accumulate(last=k == len(plan) - 1)
             loss, metrics = self._micro_batch(batch, chunk, share, start)
             sums.add(loss, metrics, share)
+        self._accumulated()
         sums.norms.append(self._clip(self.policy_params))
         if self.algo == "ppo":
             sums.critic_norms.append(self._clip(self.critic_params))
         self.optimizer.step()
+
+    def _fsdp_roots(self) -> list:
+        """The FSDP roots a micro-batch runs: the policy and PPO's value head (its own root)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for m in (self.model, self.value_head) if isinstance(m, FSDPModule)]
+
+    def _accumulate(self, last: bool) -> None:
+        """Before each micro-batch of an update with --learner.keep-gathered: every unit keeps its
+        gathered parameters through forward and backward, and reduces its gradients and reshards
+        only in the update's `last` backward (until then gradients accumulate unreduced)."""
+        if not self.keep_gathered:
+            return
+        for root in self._fsdp_roots():
+            root.set_requires_gradient_sync(last)
+            root.set_reshard_after_backward(last)
+            root.set_reshard_after_forward(False)
+
+    def _accumulated(self) -> None:
+        """After an update with --learner.keep-gathered: FSDP's own settings back (every unit
+        resharded after forward but the roots, as fully_shard sets them). The last backward has
+        resharded every unit, also those no gradient reaches (the frozen vision layers): FSDP's
+        end-of-backward callback reshards them."""
+        if not self.keep_gathered:
+            return
+        for root in self._fsdp_roots():
+            root.set_requires_gradient_sync(True)
+            root.set_reshard_after_backward(True)
+            root.set_reshard_after_forward(True)
+            root.set_reshard_after_forward(False, recurse=False)
 
     def _micro_batch(self, batch, chunk: list[int], share: float, start: StartOfStep) -> tuple[float, dict]:
         """Forward and backward of the rows `chunk`, the loss scaled by its `share`. Returns the

@@ -4,6 +4,7 @@ import multiprocessing as mp
 import socket
 
 import numpy as np
+import pytest
 
 from replay.buffer import ReplayBuffer
 from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
@@ -152,6 +153,76 @@ def test_ppo_trains_policy_and_critic_adapters_on_two_ranks(tiny_model):
     assert m0[0]["trained_fraction"] == 1.0  # the critic learns from uniform-reward groups too
     # the adapter starts as the identity (KL 0 on the first mini-batch) and has moved by the second
     assert 0 < m0[0]["kl_ref"] < 1 and m0[1]["kl_ref"] > 0
+
+
+def _keep_rank(rank, model, endpoint, url, keep, algo, out):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = LearnerConfig(lr=1e-2, groups_per_step=4, mini_batches=2, micro_batch=2, keep_gathered=keep)
+    learner = Learner(cfg, model, rank, 2, url, ZmqLearnerReplay(endpoint), algo=algo)
+    try:
+        learner.setup()
+        metrics = [learner.step(), learner.step()]
+        modules = [m for m in (learner.model, learner.value_head) if m is not None]
+        sharded = all(isinstance(p, DTensor) for m in modules for p in m.parameters())
+        out.put((rank, {k: v.numpy() for k, v in learner.adapter_tensors().items()}, metrics, sharded,
+                 learner.keep_gathered))
+    finally:
+        learner.close()
+
+
+@pytest.mark.parametrize("algo", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
+def test_keeping_parameters_gathered_through_an_update_trains_the_same_adapter(tiny_model, algo):
+    """--learner.keep-gathered (FSDP gathers once an update and reduces gradients once, after its
+    last micro-batch) trains the adapter the default per-micro-batch collectives train: two steps of
+    two mini-batches of several micro-batches each, with PPO's critic as its own FSDP root too; and
+    every parameter is sharded again after a step."""
+    adapters = {}
+    for keep in ("off", "on"):
+        server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=1, num_shards=2), "tcp://127.0.0.1:*")
+        endpoint = server.start()
+        try:
+            client = ZmqActorReplay(endpoint, actor="actor-0")
+            for i in range(8):
+                client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0] if i % 3 else [0.0, 1.0, 1.0, 1.0]))
+            ctx = mp.get_context("spawn")
+            out = ctx.Queue()
+            url = f"tcp://127.0.0.1:{_port()}"
+            procs = [ctx.Process(target=as_rank, args=(_keep_rank, r, tiny_model, endpoint, url, keep, algo, out))
+                     for r in (0, 1)]
+            for p in procs:
+                p.start()
+            results = {r: rest for r, *rest in (out.get(timeout=300) for _ in procs)}
+            for p in procs:
+                p.join(60)
+            assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
+        finally:
+            server.stop()
+        (a0, m0, sharded0, kept0), (a1, _, sharded1, kept1) = results[0], results[1]
+        assert kept0 == kept1 == (keep == "on")
+        assert sharded0 and sharded1, "a parameter was left gathered after the step"
+        for k in a0:
+            np.testing.assert_array_equal(a0[k], a1[k])  # both ranks hold the same adapter
+        assert m0[1]["version"] == 2
+        adapters[keep] = a0, m0
+    (off, m_off), (on, m_on) = adapters["off"], adapters["on"]
+    for a, b in zip(m_off, m_on):  # gradients as large both ways (Adam alone would hide a scale)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
+    assert off.keys() == on.keys() and any("lora_B" in k for k in on)
+    assert any(np.abs(v).max() > 0 for k, v in on.items() if "lora_B" in k), "the steps did not train"
+    # Equal up to summation order, which Adam's normalisation lifts on elements of near-zero
+    # gradient: each B (zero at the start, so its value is its update) within 0.1% in norm.
+    for k in (k for k in off if "lora_B" in k):
+        assert np.linalg.norm(on[k] - off[k]) <= 1e-3 * np.linalg.norm(off[k]), k
+    for k in off:
+        np.testing.assert_allclose(on[k], off[k], atol=1e-4, err_msg=k)
 
 
 def _one_rank(model, endpoint, url, out):

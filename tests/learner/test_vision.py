@@ -60,6 +60,10 @@ def _rank(rank, url, model, endpoint, groups, algo, out):
         gap = float((logp - behaviour)[mask].abs().max())
         blind_gap = float((blind - behaviour)[mask].abs().max())
         metrics = learner.step()
+        from torch.distributed.tensor import DTensor
+
+        # the frozen vision layers, which no gradient reaches, sharded again too after the step
+        metrics["all_sharded"] = all(isinstance(p, DTensor) for p in learner.model.parameters())
         out.put((rank, (gap, blind_gap, metrics, sorted(learner.adapter_tensors()))))
     finally:
         learner.close()
@@ -138,6 +142,7 @@ def _score_and_train(model: str, algo: str, text_part: str) -> None:
         assert gap < 1e-4, f"learner and engine disagree on image episodes by {gap}"
         assert blind_gap > 1e-3, "other pictures left the learner's log-probs unchanged"
         assert metrics["mismatch_kl"] < 1e-6 and np.isfinite(metrics["loss"])
+        assert metrics["all_sharded"], "a parameter was left gathered after the step"
         assert names and all(text_part in n for n in names), "the adapter reached the vision tower"
         if algo == "ppo":
             assert np.isfinite(metrics["value_loss"])
