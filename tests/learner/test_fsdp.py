@@ -68,6 +68,30 @@ def test_two_ranks_train_to_identical_changed_lora_weights(tiny_model):
     assert server.buffer.stats.served_groups == 4
 
 
+def _two_ranks(target, model, groups, *args) -> dict:
+    """`groups` pushed to a real replay service (4 groups a step, η 1), then `target(rank, model,
+    endpoint, url, *args, out)` on ranks 0 and 1; returns {rank: the rest of what it put}."""
+    server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=1, num_shards=2), "tcp://127.0.0.1:*")
+    endpoint = server.start()
+    try:
+        client = ZmqActorReplay(endpoint, actor="actor-0")
+        for g in groups:
+            client.push(g)
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        url = f"tcp://127.0.0.1:{_port()}"
+        procs = [ctx.Process(target=as_rank, args=(target, r, model, endpoint, url, *args, out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        results = {r: rest for r, *rest in (out.get(timeout=300) for _ in procs)}
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
+    finally:
+        server.stop()
+    return results
+
+
 def _ppo_rank(rank, model, endpoint, url, out):
     import torch
 
@@ -113,24 +137,8 @@ def _ppo_rank(rank, model, endpoint, url, out):
 def test_ppo_trains_policy_and_critic_adapters_on_two_ranks(tiny_model):
     """PPO with the critic under fully_shard: two mini-batches a step (π_old from its own pass),
     decoupled correction, KL to the adapter-disabled reference, uneven micro-batches per rank."""
-    server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=1, num_shards=2), "tcp://127.0.0.1:*")
-    endpoint = server.start()
-    try:
-        client = ZmqActorReplay(endpoint, actor="actor-0")
-        for i in range(8):
-            client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0] if i % 2 else [1.0, 1.0, 1.0, 1.0]))
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        url = f"tcp://127.0.0.1:{_port()}"
-        procs = [ctx.Process(target=as_rank, args=(_ppo_rank, r, tiny_model, endpoint, url, out)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        results = {r: rest for r, *rest in (out.get(timeout=300) for _ in procs)}
-        for p in procs:
-            p.join(60)
-        assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
-    finally:
-        server.stop()
+    groups = [make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0] if i % 2 else [1.0, 1.0, 1.0, 1.0]) for i in range(8)]
+    results = _two_ranks(_ppo_rank, tiny_model, groups)
     (b0, a0, cb0, ca0, m0), (_, a1, _, ca1, m1) = results[0], results[1]
     # only the policy adapter is gathered for the actors: no critic weights, no value head
     assert not any("critic" in k or "value" in k for k in a0) and any("lora_B" in k for k in a0)
@@ -185,25 +193,9 @@ def test_keeping_parameters_gathered_through_an_update_trains_the_same_adapter(t
     every parameter is sharded again after a step."""
     adapters = {}
     for keep in ("off", "on"):
-        server = ReplayServer(ReplayBuffer(groups_per_step=4, max_staleness=1, num_shards=2), "tcp://127.0.0.1:*")
-        endpoint = server.start()
-        try:
-            client = ZmqActorReplay(endpoint, actor="actor-0")
-            for i in range(8):
-                client.push(make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0] if i % 3 else [0.0, 1.0, 1.0, 1.0]))
-            ctx = mp.get_context("spawn")
-            out = ctx.Queue()
-            url = f"tcp://127.0.0.1:{_port()}"
-            procs = [ctx.Process(target=as_rank, args=(_keep_rank, r, tiny_model, endpoint, url, keep, algo, out))
-                     for r in (0, 1)]
-            for p in procs:
-                p.start()
-            results = {r: rest for r, *rest in (out.get(timeout=300) for _ in procs)}
-            for p in procs:
-                p.join(60)
-            assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
-        finally:
-            server.stop()
+        groups = [make_group(seed=i, rewards=[1.0, 0.0, 0.0, 1.0] if i % 3 else [0.0, 1.0, 1.0, 1.0])
+                  for i in range(8)]
+        results = _two_ranks(_keep_rank, tiny_model, groups, keep, algo)
         (a0, m0, sharded0, kept0), (a1, _, sharded1, kept1) = results[0], results[1]
         assert kept0 == kept1 == (keep == "on")
         assert sharded0 and sharded1, "a parameter was left gathered after the step"
