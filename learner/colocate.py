@@ -28,6 +28,14 @@ def fsdp_units(model) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def restore_reshard_after_forward(root) -> None:
+    """FSDP2's own reshard-after-forward settings back on the FSDP root `root` and its units, as
+    `fully_shard` sets them: every unit reshards after its forward, the root does not (its
+    parameters are needed again at once by the backward)."""
+    root.set_reshard_after_forward(True)
+    root.set_reshard_after_forward(False, recurse=False)
+
+
 @contextmanager
 def generating(model):
     """`model` (an FSDP2-sharded PEFT model) in eval mode with every parameter gathered, for
@@ -42,8 +50,7 @@ def generating(model):
     try:
         yield model
     finally:
-        model.set_reshard_after_forward(True)
-        model.set_reshard_after_forward(False, recurse=False)  # FSDP2's own setting of the root
+        restore_reshard_after_forward(model)
         for unit in reversed(units):
             unit.reshard()
         model.train(training)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from learner.config import (ALGOS, CORRECTIONS, CRITIC, DEFAULT_ALGO, DEFAULT_CORRECTION, POLICY, LearnerConfig,
                             lr_factor)
+from learner.colocate import restore_reshard_after_forward
 from learner.forward import Forward
 from policy.adapter import Adapter
 from policy.choices import check_choice
@@ -300,8 +301,7 @@ class Learner(Forward):
         for root in self._fsdp_roots():
             root.set_requires_gradient_sync(True)
             root.set_reshard_after_backward(True)
-            root.set_reshard_after_forward(True)
-            root.set_reshard_after_forward(False, recurse=False)
+            restore_reshard_after_forward(root)
 
     def _micro_batch(self, batch, chunk: list[int], share: float, start: StartOfStep) -> tuple[float, dict]:
         """Forward and backward of the rows `chunk`, the loss scaled by its `share`. Returns the
