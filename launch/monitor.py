@@ -170,10 +170,13 @@ FINISH_REASONS = ("terminated", "truncated", "length", "env_error")
 
 def actor_scalars(stats: list[dict]) -> dict[str, float]:
     """TensorBoard names for the actors' counters, summed over actors: episodes by finish
-    reason (env_error: the environment raised or ran past --actor.env-timeout-s)."""
+    reason (env_error: the environment raised or ran past --actor.env-timeout-s); groups pushed,
+    those whose rewards differed (mixed) and those that revisited a task (--actor.revisit)."""
     out = {f"rollout/finished_{r}": float(sum(s.get(f"finish/{r}", 0) for s in stats)) for r in FINISH_REASONS}
     out["rollout/env_errors"] = out["rollout/finished_env_error"]
     out["rollout/env_calls_abandoned"] = float(sum(s.get("env_abandoned", 0) for s in stats))
+    for key in ("groups", "groups_mixed", "groups_revisited"):  # --actor.revisit's effect: mixed / groups
+        out[f"rollout/{key}"] = float(sum(s.get(key, 0) for s in stats))
     return out
 
 
