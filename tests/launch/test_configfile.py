@@ -67,6 +67,24 @@ def test_an_environment_s_own_defaults_yield_to_every_flag_given(tmp_path):
     assert _batch(resumed_config(["--config", str(file), "--env", "maze"])) == (8, 16, False)
 
 
+def _spread(cfg: Config) -> tuple:
+    return cfg.actor.revisit, cfg.learner.entropy_coef
+
+
+def test_the_image_maze_revisits_mixed_tasks_and_pays_an_entropy_bonus_unless_told_otherwise(tmp_path):
+    assert _spread(resumed_config([])) == (0.0, 0.0)
+    assert _spread(resumed_config(["--env", "image-maze"])) == (0.5, 0.01)
+    assert _spread(resumed_config(["--env", "image-maze", "--actor.revisit", "0"])) == (0.0, 0.01)
+    assert _spread(resumed_config(["--env", "image-maze", "--learner.entropy-coef", "0"])) == (0.5, 0.0)
+    # neither depends on group-relative advantages or on the asynchronous mode
+    assert _spread(resumed_config(["--env", "image-maze", "--algo", "ppo", "--colocate"])) == (0.5, 0.01)
+    file = tmp_path / "exp.yaml"
+    file.write_text("env: image-maze\nlearner:\n  entropy-coef: 0.02\n")
+    assert _spread(resumed_config(["--config", str(file)])) == (0.5, 0.02)
+    # the file's own key stays; what came from the image maze's defaults goes with --env maze
+    assert _spread(resumed_config(["--config", str(file), "--env", "maze"])) == (0.0, 0.02)
+
+
 def test_help_shows_the_defaults_of_the_env_it_is_given_with(capsys):
     for env, group in (("maze", 8), ("image-maze", 16)):
         with pytest.raises(SystemExit):

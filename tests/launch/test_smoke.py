@@ -79,13 +79,14 @@ def test_async_run_with_vllm_actors(tmp_path):
 
 def test_an_image_maze_run_trains_a_vision_language_policy_on_pictures(tmp_path):
     """`--env image-maze` with two actors and two FSDP learner ranks (the vision layers sharded
-    too): pictures through replay to the learner, its adapter back to the actors (half the groups
-    revisiting mixed tasks), evaluation on image-maze-64's first mazes, and launch.eval of the
-    saved adapter, which adapts the language model only. The untrained tiny VLM keeps the job
-    short (the warm start, builtin:vlm, is the default and is measured in docs/vision.md)."""
+    too): pictures through replay to the learner, its adapter back to the actors (the image maze's
+    own defaults: half the groups revisiting mixed tasks, an entropy bonus), evaluation on
+    image-maze-64's first mazes, and launch.eval of the saved adapter, which adapts the language
+    model only. The untrained tiny VLM keeps the job short (the warm start, builtin:vlm, is the
+    default and is measured in docs/vision.md)."""
     logdir = tmp_path / "image-maze"
     run = launch("--env", "image-maze", "--model", "builtin:tiny-vlm", "--actors", "2", "--learners", "2",
-                 "--steps", "3", "--eval-episodes", "8", "--actor.revisit", "0.5", "--logdir", str(logdir))
+                 "--steps", "3", "--eval-episodes", "8", "--logdir", str(logdir))
     assert "done: 3 steps" in run.stdout
     scalars = read_scalars(str(logdir))
     for tag in REQUIRED:
@@ -96,6 +97,8 @@ def test_an_image_maze_run_trains_a_vision_language_policy_on_pictures(tmp_path)
     assert scalars.get("rollout/finished_env_error", [(0, 0.0)])[-1][1] == 0
     groups, mixed, revisited = (scalars[f"rollout/{k}"][-1][1] for k in ("groups", "groups_mixed", "groups_revisited"))
     assert groups > 0 and revisited <= groups and mixed <= groups  # the actors' counters reach TensorBoard
+    saved_config = json.loads((logdir / "config.json").read_text())
+    assert (saved_config["actor"]["revisit"], saved_config["learner"]["entropy_coef"]) == (0.5, 0.01)
     saved = (logdir / "adapter" / "adapter_config.json").read_text()
     assert "vision_model" in saved and b"vision_model" not in (logdir / "adapter" / "adapter_model.safetensors").read_bytes()
     ev = subprocess.run([sys.executable, "-m", "launch.eval", str(logdir / "adapter"), "--env", "image-maze",
