@@ -69,9 +69,8 @@ class ActorConfig:
     """Share of an actor's new groups that replay the task of one of its recent groups whose
     rewards differed, picked in proportion to their spread, instead of a fresh task (prioritized
     level replay, actors/revisit.py): more of the actors' CPU goes to tasks the policy is still
-    learning (docs/vision.md measures it on the image maze). 0: every group a fresh task (the
-    default; --env image-maze sets 0.5). Needs an environment whose reset seed decides the task, as
-    every built-in one does."""
+    learning (docs/vision.md measures it on the image maze). 0: every group a fresh task. Needs an
+    environment whose reset seed decides the task, as every built-in one does."""
     revisit_pool: int = 32
     """Tasks each actor keeps for --actor.revisit (the oldest leaves first)."""
     groups_in_flight: int = 0

@@ -108,8 +108,7 @@ class LearnerConfig:
     kl_estimator: KlEstimator = "k3"
     """KL estimator of the reference term: "k1", "k2" or "k3"."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus (0 = off, the default; entropy is still reported). --env
-    image-maze sets 0.01."""
+    """Weight of the entropy bonus (0 = off; entropy is still reported)."""
     gamma: float = 1.0
     """PPO: discount per action token in GAE."""
     lam: float = 0.95
