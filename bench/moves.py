@@ -8,8 +8,12 @@ A policy that reads the maze bumps far less often than chance (`bump_vs_random` 
 one that does not see the walls bumps about as often as chance. docs/vision.md uses it on the
 image maze's warm start.
 
+Of the greedy moves right after a bump (`after_bump`), `repeat_after_bump` is the share that
+repeat the bumped move although the environment has just said `wall <move>`: a policy that reads
+its own history never does.
+
 It also lists the mazes the greedy policy fails (`greedy_failures`: index in maze-64, shortest
-path), and with `--samples N` plays each of them N times with the sampling policy
+path, the greedy moves with each bump starred), and with `--samples N` plays each of them N times with the sampling policy
 (`--temperature`, the actors' 0.7 by default), which tells a plateau's two causes apart: a maze
 the sampling policy sometimes solves gives GRPO a group with a signal, one it never solves gives
 it nothing to learn from (`sampled_success` per failure, and over all of them). Ends with one
@@ -44,25 +48,42 @@ class Args:
 
 
 def counting(env, counts: Counter):
-    """`env` with its step counting moves, bumps, shortest-path moves and the bumps a random move
-    would make from the same cell."""
+    """`env` with its step counting moves, bumps, shortest-path moves, the bumps a random move
+    would make from the same cell, the moves right after a bump and those of them that repeat the
+    bumped move (the environment has just said `wall <move>`). The episode's moves are kept in
+    `env.played` as (move, bumped), `move` None for a reply that names none."""
     from envs.maze import MOVES, parse_move, shortest_path
 
-    step = env.step
+    step, reset = env.step, env.reset
+    env.played = []
 
     def counted(action):
-        before = env.pos
+        before, move = env.pos, parse_move(action)
         best = (shortest_path(env.maze, env.pos) or [None])[0]
         out = step(action)
+        bumped = env.pos == before
         counts["moves"] += 1
-        counts["bumps"] += int(env.pos == before)
-        counts["shortest"] += int(parse_move(action) == best)
+        counts["bumps"] += int(bumped)
+        counts["shortest"] += int(move == best)
         blocked = sum(not env.maze.open(before[0] + dr, before[1] + dc) for dr, dc in MOVES.values())
         counts["random_bumps"] += blocked / len(MOVES)
+        if env.played and env.played[-1][1]:
+            counts["after_bump"] += 1
+            counts["repeats"] += int(move is not None and move == env.played[-1][0])
+        env.played.append((move, bumped))
         return out
 
-    env.step = counted
+    def restarted(*args, **kwargs):
+        env.played = []
+        return reset(*args, **kwargs)
+
+    env.step, env.reset = counted, restarted
     return env
+
+
+def play_line(env) -> str:
+    """The moves of `env`'s episode as one line, a bump starred: `right right* down`."""
+    return " ".join(f"{move or '?'}{'*' if bumped else ''}" for move, bumped in env.played)
 
 
 def recorded(make, envs: list):
@@ -115,7 +136,7 @@ def measure(args: Args) -> dict:
         engine.close()
     failures = []
     for k, i in enumerate(failed):
-        failure = {"maze": i, "shortest": len(shortest_path(greedy[i].maze))}
+        failure = {"maze": i, "shortest": len(shortest_path(greedy[i].maze)), "greedy_play": play_line(greedy[i])}
         if sampled:
             plays = sampled[k * args.samples:(k + 1) * args.samples]
             failure["sampled_success"] = sum(map(solved, plays)) / args.samples
@@ -125,6 +146,7 @@ def measure(args: Args) -> dict:
     return {"model": args.model, "adapter": args.adapter, "env": args.env, "episodes": args.episodes, "success": result["success_rate"],
             "moves": counts["moves"], "bump_rate": round(bump, 4), "shortest_rate": round(counts["shortest"] / moves, 4),
             "random_bump_rate": round(random_bump, 4), "bump_vs_random": round(bump / max(random_bump, 1e-9), 4),
+            "after_bump": counts["after_bump"], "repeat_after_bump": round(counts["repeats"] / max(counts["after_bump"], 1), 4),
             "greedy_failures": failures, "samples": args.samples, "temperature": args.temperature,
             "sampled_success": (round(sum(map(solved, sampled)) / len(sampled), 4) if sampled else None)}
 
