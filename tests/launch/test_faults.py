@@ -27,8 +27,9 @@ from replay.log import history
 pytestmark = pytest.mark.slow
 
 STEPS = 9
+CHECKPOINT_EVERY = 3
 RUN = ["--actors", "2", "--learners", "2", "--steps", str(STEPS), "--learner.groups-per-step", "4",
-       "--eval-episodes", "8", "--checkpoint-every", "3", "--replay.keep-log"]
+       "--eval-episodes", "8", "--checkpoint-every", str(CHECKPOINT_EVERY), "--replay.keep-log"]
 
 
 def start(*args) -> subprocess.Popen:
@@ -270,4 +271,8 @@ def test_a_learner_rank_killed_in_a_colocated_run_is_brought_back_and_every_step
     assert found["scalars"]["learner/restarts"][-1][1] == 1.0
     staleness = found["scalars"]["async/staleness_max"]
     assert staleness and all(v == 0.0 for _, v in staleness), staleness
-    assert len(staleness) >= STEPS  # the steps lost with the killed group were trained again
+    # The steps lost with the killed group were trained again. A rank killed right after a
+    # checkpoint is written takes that step's report with it: the group comes back after the step,
+    # which is not trained twice, so its scalars alone may be missing.
+    missing = set(range(1, STEPS + 1)) - {s for s, _ in staleness}
+    assert len(missing) <= 1 and all(s % CHECKPOINT_EVERY == 0 for s in missing), sorted(missing)
