@@ -73,6 +73,13 @@ class ActorConfig:
     environment whose reset seed decides the task, as every built-in one does."""
     revisit_pool: int = 32
     """Tasks each actor keeps for --actor.revisit (the oldest leaves first)."""
+    turn_discount: float = 1.0
+    """γ of the return a trajectory is trained on: the environment's reward of turn t (from 0)
+    counts γ^t, so of two episodes that reach the goal the shorter earns more, and a group whose
+    episodes all succeed in different numbers of turns still teaches (1 = the environment's
+    rewards summed). The learner's advantages, --replay.drop-zero-variance, --actor.revisit, the
+    replay log and rollout/reward_mean see the return; evaluation reports the environment's own
+    rewards."""
     groups_in_flight: int = 0
     """Groups each actor plays concurrently (its batch is about this × group_size episodes). 0
     scales it from the actor's GPUs: 4 on the CPU; with --actor.gpus g, enough groups for
@@ -213,6 +220,8 @@ class ActorConfig:
         if not 0 <= self.revisit < 1 or self.revisit_pool < 1:
             raise ValueError(f"--actor.revisit is a share in [0, 1) and --actor.revisit-pool at least 1, got "
                              f"{self.revisit:g} and {self.revisit_pool}")
+        if not 0 < self.turn_discount <= 1:
+            raise ValueError(f"--actor.turn-discount is a γ in (0, 1], got {self.turn_discount:g}")
         if self.group_size < 2:
             raise ValueError(f"--actor.group-size must be at least 2 (GRPO compares samples), got {self.group_size}")
         if self.groups_in_flight < 0:
@@ -372,7 +381,8 @@ class Actor:
         options = {"policy_version": self.engine.version}
         episodes = [start(self.make_env(), self.chat, self.runner, seed=seed, options=options,
                           version=self.engine.version,
-                          sampling_seed=stream_seed(self.seed, n, j) if self.seeded else None)
+                          sampling_seed=stream_seed(self.seed, n, j) if self.seeded else None,
+                          discount=self.cfg.turn_discount)
                     for j in range(self.cfg.group_size)]
         return _Live(uuid.uuid4().hex, seed, f"seed={seed}", episodes, time.perf_counter())
 

@@ -78,6 +78,10 @@ class Episode:
     request engine) while its turn is being generated."""
     info: dict = field(default_factory=dict)
     """The `info` of the environment's last step (its numbers become TensorBoard scalars)."""
+    discount: float = 1.0
+    """γ of the return in `reward`: the environment's reward of turn t (from 0) counts γ^t, so
+    of two episodes that reach the same reward the shorter has the larger return (1: the
+    environment's rewards summed; evaluation always plays with 1)."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -110,10 +114,12 @@ class Episode:
 
 def start(env: TextEnv, chat, runner: EnvRunner, seed: int | None = None,
           options: dict[str, Any] | None = None, version: int = 0,
-          sampling_seed: int | None = None) -> Episode:
+          sampling_seed: int | None = None, discount: float = 1.0) -> Episode:
     """A new episode of `env`; its reset (with `seed` and `options`) runs on `runner` and `turn`
-    picks up the prompt. `sampling_seed` names the episode's random stream (`Episode`)."""
-    ep = Episode(env=env, tokens=[], version=version, busy=True, sampling_seed=sampling_seed)
+    picks up the prompt. `sampling_seed` names the episode's random stream, `discount` the γ of
+    its return (`Episode`)."""
+    ep = Episode(env=env, tokens=[], version=version, busy=True, sampling_seed=sampling_seed,
+                 discount=discount)
     runner.submit(ep.session, _reset, env, seed, options)
     return ep
 
@@ -263,7 +269,7 @@ def _stepped(ep: Episode, chat, result, params: SamplingParams, max_tokens: int)
     except Exception as exc:  # a malformed return value is the environment's error too
         _broken(ep, chat, exc)
         return
-    ep.reward += reward
+    ep.reward += reward * ep.discount ** (ep.turns - 1)  # the turn just played is turn turns - 1
     ep.info = info if isinstance(info, dict) else {}
     if terminated or truncated:
         ep.finish_reason = "terminated" if terminated else "truncated"

@@ -1,0 +1,72 @@
+"""--actor.turn-discount: the return a trajectory is trained on discounts each turn's reward by γ^t."""
+
+import threading
+
+import pytest
+
+from actors.actor import Actor, ActorConfig
+from actors.torch_engine import TorchEngine
+from envs.base import TextEnv
+from replay.buffer import ReplayBuffer
+from replay.client import LocalReplay
+from replay.wire import decode_group
+from tests.actors.test_actor import LORA, random_adapter
+from weights.publisher import WeightPublisher
+from weights.subscriber import WeightSubscriber
+
+MAX_TURNS = 4
+
+
+class Steps(TextEnv):
+    """Each turn pays 0.25 and goes on, or pays 1.0 and ends when the reply has an odd length;
+    the fourth turn ends the episode either way. Episodes of one group end after different
+    numbers of turns."""
+
+    def _reset(self, options):
+        self.turn = 0
+        return "say something", {}
+
+    def _step(self, text):
+        self.turn += 1
+        done = len(text) % 2 == 1
+        return "again", 1.0 if done else 0.25, done, not done and self.turn >= MAX_TURNS, {}
+
+
+def expected(turns: int, finish: str, gamma: float) -> float:
+    last = 1.0 if finish == "terminated" else 0.25
+    return sum(0.25 * gamma**t for t in range(turns - 1)) + last * gamma ** (turns - 1)
+
+
+def play(tiny_model, chat, gamma: float):
+    engine = TorchEngine(tiny_model, LORA, seed=5)
+    buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
+    publisher = WeightPublisher()
+    subscriber = WeightSubscriber(publisher.endpoints)
+    cfg = ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=4, temperature=1.0, turn_discount=gamma)
+    actor = Actor(cfg, "actor-0", engine, chat, Steps, LocalReplay(buffer, actor="actor-0"), subscriber, seed=2)
+    try:
+        publisher.publish(random_adapter(engine, version=0, scale=0.0))
+        actor.run(threading.Event(), max_groups=12)
+    finally:
+        actor.runner.close()
+        subscriber.close()
+        publisher.close()
+    return [t for e in buffer.queue for t in decode_group(e.blob).trajectories]
+
+
+@pytest.mark.parametrize("gamma", [0.5, 1.0])
+def test_each_turns_reward_counts_gamma_to_the_turn_in_the_trained_return(tiny_model, chat, gamma):
+    """Run as a user would with --actor.turn-discount 0.5 (and without it): every trajectory pushed
+    to replay carries Σ γ^t r_t over its turns; with 1 the environment's rewards summed."""
+    trajs = play(tiny_model, chat, gamma)
+    assert len(trajs) >= 40
+    assert {t.turns for t in trajs} >= {1, 2}, "the episodes end after different numbers of turns"
+    assert {t.finish_reason for t in trajs} <= {"terminated", "truncated"}
+    for t in trajs:
+        assert t.reward == pytest.approx(expected(t.turns, t.finish_reason, gamma), abs=1e-6), (t.turns, t.finish_reason)
+
+
+@pytest.mark.parametrize("gamma", [0.0, -0.5, 1.5])
+def test_a_discount_outside_zero_to_one_is_refused(gamma):
+    with pytest.raises(ValueError, match="--actor.turn-discount"):
+        ActorConfig(turn_discount=gamma)
