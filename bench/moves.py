@@ -14,10 +14,10 @@ its own history never does.
 
 It also lists the mazes the greedy policy fails (`greedy_failures`: index in maze-64, shortest
 path, the greedy moves with each bump starred), and with `--samples N` plays each of them N
-times with the sampling policy (`--temperature`, the actors' 0.7 by default), which tells a plateau's two causes apart: a maze
-the sampling policy sometimes solves gives GRPO a group with a signal, one it never solves gives
-it nothing to learn from (`sampled_success` per failure, and over all of them). Ends with one
-JSON line.
+times with the sampling policy (`--temperature`, the actors' 0.7 by default), which tells a
+plateau's two causes apart: a maze the sampling policy sometimes solves gives GRPO a group with a
+signal, one it never solves gives it nothing to learn from (`sampled_success` per failure, and
+over all of them). Ends with one JSON line.
 """
 
 from __future__ import annotations

@@ -273,7 +273,7 @@ def test_a_learner_rank_killed_in_a_colocated_run_is_brought_back_and_every_step
     assert staleness and all(v == 0.0 for _, v in staleness), staleness
     # The steps lost with the killed group were trained again. Scalars are written at policy
     # versions, and a group brought back goes on above every version published before the kill
-    # (steps 1-4 at versions 1-4, then 4-9 at 6-11), so the steps are read from learner/step. A
+    # (e.g. steps 1-4 at versions 1-4, then 4-9 at 6-11): the steps are read from learner/step. A
     # rank killed right after a checkpoint is written takes that step's report with it: the group
     # comes back after the step, which is not trained twice, so its scalars alone may be missing.
     missing = set(range(1, STEPS + 1)) - {int(v) for _, v in found["scalars"]["learner/step"]}
