@@ -13,6 +13,12 @@ front: keys carry their rotary positions, and attention does not depend on where
 in the cache a key sits, so this is exact and costs no forward pass. Each layer
 appends into room kept at the end of its keys and values (actors/kv_cache.py), so
 a decoding step writes its new slots instead of copying the whole cache.
+Episodes joining the batch (a new group starting while others run) are prefilled
+in a forward of their own, each distinct prompt once (a group's episodes open
+with the same prompt and pictures), and their keys and values are written into
+their rows' first slots: a forward is as wide as its longest row for every row,
+and a newcomer's whole opening would otherwise widen the running rows' feed of
+their observations to its length (bench/prefill.py measures it).
 
 A new adapter either keeps the cache (the default, PipelineRL's in-flight
 update: running episodes continue on keys and values computed by the previous
@@ -49,17 +55,20 @@ import inspect
 from collections.abc import Hashable
 
 from actors.engine import Completion, SamplingParams, engine_dtype, stream_seed, unit_uniform
+from policy.vision import image_key
 
 
 class TorchEngine:
     def __init__(self, model_path: str, lora, device: str = "cpu", seed: int = 0,
                  dtype: str = "auto", recompute_kv: bool = False, merge_lora: bool = True, model=None,
-                 growing_kv: bool = True) -> None:
+                 growing_kv: bool = True, prefill_apart: bool = True) -> None:
         """`model`: a PEFT model to generate with instead of loading `model_path` (colocated mode:
         a learner rank's own, its policy adapter as trained; nothing is loaded, merged or copied).
         `dtype` "auto": bfloat16 on CUDA, float32 on CPU (`engine_dtype`). `growing_kv` False:
         transformers' DynamicCache, which concatenates, instead of actors/kv_cache.py's (the same
-        numbers; bench/kv_cache.py measures one against the other)."""
+        numbers; bench/kv_cache.py measures one against the other). `prefill_apart` False: episodes
+        joining the batch are fed with the running ones in one forward (`_feed` says why not; the
+        same numbers up to rounding, bench/prefill.py measures one against the other)."""
         import torch
         from peft.tuners.lora import LoraLayer
 
@@ -89,6 +98,7 @@ class TorchEngine:
         self.version = 0
         self.recompute_kv = recompute_kv
         self.growing_kv = growing_kv
+        self.prefill_apart = prefill_apart
         # (LoRA layer, its base weight W₀) for every adapted layer, when merging
         self._merged = [(m, m.base_layer.weight.detach().clone()) for m in self.model.modules()
                         if isinstance(m, LoraLayer)] if merge_lora else []
@@ -133,7 +143,7 @@ class TorchEngine:
         keys = [None if s is None else stream_seed(self.seed, s) for s in (seeds or [None] * len(prompts))]
         with torch.inference_mode():
             new = self._select(prompts, sessions)
-            logits = self._forward(new, self._new_images(new, images))
+            logits = self._feed(new, self._new_images(new, images))
             n = len(prompts)
             outs = [Completion([], [], False) for _ in range(n)]
             done = [False] * n
@@ -293,6 +303,80 @@ class TorchEngine:
             self._fed[i] += len(row)
             out.append(row)
         return out if any(out) else None
+
+    def _feed(self, new: list[list[int]], images: list[list] | None):
+        """The first forward of a turn: each row's `new` tokens (with their `images`) appended;
+        next-token logits for every row, [B, V].
+
+        A forward is as wide as its longest row, for every row: fed together, the prompts of
+        episodes joining the batch (whole openings, a hundred tokens of the image maze) would
+        widen it for the running rows, which feed an observation of a few dozen. So the rows new
+        to the cache are prefilled apart, each distinct prompt once (a group's episodes start from
+        the same opening and pictures), their keys and values written into their rows' first
+        slots, and the running rows then feed theirs. That is one forward more, so it is done
+        only where it saves a third of the token slots or more: the image maze's openings (a
+        picture and the rules) are two to three times as wide as its observations, while the text
+        maze's observations, which draw the whole maze, are as wide as its openings."""
+        fresh = [i for i, toks in enumerate(new) if toks and not self._rows[i]]
+        if not self.prefill_apart or not fresh:
+            return self._forward(new, images)
+        keys = {i: (tuple(new[i]), tuple(image_key(im) for im in images[i]) if images else ()) for i in fresh}
+        distinct = list(dict.fromkeys(keys.values()))
+        running = [[] if i in keys else toks for i, toks in enumerate(new)]
+        together = len(new) * max(len(t) for t in new)
+        apart = len(distinct) * max(len(new[i]) for i in fresh) + len(new) * max(len(t) for t in running)
+        if 3 * apart > 2 * together:
+            return self._forward(new, images)
+        torch = self.torch
+        first = {k: next(i for i in fresh if keys[i] == k) for k in distinct}
+        of = torch.tensor([distinct.index(keys[i]) for i in fresh], device=self.device)
+        cache, state = self._prefill([first[k] for k in distinct], new, images)
+        rows = torch.tensor(fresh, device=self.device)
+        if len(fresh) == len(new):  # nothing running: the prefilled cache is the batch's
+            cache.batch_select_indices(of)
+            self._cache, self._mask = cache, state["mask"][of]
+        else:
+            self._splice(cache, state["mask"], rows, of)
+        for j, i in enumerate(fresh):
+            u = int(of[j])
+            self._rows[i] = list(state["rows"][u])
+            self._next[i] = state["next"][u]
+        if any(running):
+            pictures = [[] if i in keys else row for i, row in enumerate(images)] if images else None
+            logits = self._forward(running, pictures if pictures and any(pictures) else None)
+        else:
+            logits = state["logits"].new_empty((len(new), state["logits"].shape[-1]))
+        logits[rows] = state["logits"][of]
+        return logits
+
+    def _prefill(self, rows: list[int], new: list[list[int]], images: list[list] | None):
+        """Forward `new[i]` (with `images[i]`) for each of `rows` into a cache of their own,
+        leaving the batch's cache as it was; returns that cache and its rows' state."""
+        saved = (self._cache, self._rows, self._fed, self._next, self._sessions, self._mask)
+        try:
+            self._rebuild([new[i] for i in rows], None)
+            logits = self._forward([new[i] for i in rows], [images[i] for i in rows] if images else None)
+            return self._cache, {"logits": logits, "mask": self._mask, "rows": self._rows, "next": self._next}
+        finally:
+            self._cache, self._rows, self._fed, self._next, self._sessions, self._mask = saved
+
+    def _splice(self, cache, mask, rows, of) -> None:
+        """Write row `of[j]` of `cache` (and `mask`) into the first slots of the batch's row
+        `rows[j]`, an empty row; the time axis grows with holes if it is shorter."""
+        torch = self.torch
+        n, width = mask.shape[1], self._mask.shape[1]
+        for mine, theirs in zip(self._cache.layers, cache.layers):
+            if getattr(mine, "keys", None) is None or mine.keys.numel() == 0:
+                raise RuntimeError("torch engine: a running batch's cache has a layer without keys")
+            for name in ("keys", "values"):
+                t = getattr(mine, name)  # [B, heads, T, dim]
+                if width < n:
+                    setattr(mine, name, torch.cat([t, t.new_zeros((*t.shape[:2], n - width, t.shape[3]))], dim=2))
+                    t = getattr(mine, name)
+                t[rows, :, :n] = getattr(theirs, name)[of]
+        if width < n:
+            self._mask = torch.cat([self._mask, self._mask.new_zeros((self._mask.shape[0], n - width))], dim=1)
+        self._mask[rows, :n] = mask[of]
 
     def _forward(self, new: list[list[int]], images: list[list] | None = None):
         """Append each row's new tokens (with the pixels of the `images` they hold, per row);

@@ -337,6 +337,98 @@ def test_the_qwen_picture_of_a_later_turn_reaches_the_model(qwen_vl, qwen_vl_cha
     assert max(abs(x - y) for x, y in zip(*logps)) > 1e-4
 
 
+def _record_forwards(engine):
+    """The [batch, width] of every forward the engine's model runs from now on."""
+    shapes = []
+    engine.model.get_base_model().register_forward_pre_hook(
+        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    return shapes
+
+
+def test_a_group_joining_a_running_batch_is_prefilled_once_and_apart(tiny_model, chat):
+    """Two episodes are running when a group of four joins (the same opening, as a group's episodes
+    have) with one more newcomer: the newcomers' prompts are prefilled in a forward of their two
+    distinct prompts, the running episodes feed their observations in a forward no wider than
+    those, and every log-prob of three turns equals a plain forward over the episode."""
+    engine = perturbed_engine(tiny_model)
+    params = SamplingParams(4, chat.stop_ids, temperature=1.0)
+    prompts = {s: chat.prompt_ids([{"role": "user", "content": t}]) for s, t in [("a", "start\n@.#\n#.G"),
+                                                                                ("b", "hello")]}
+    seen = []
+
+    def play(keys, seeds):
+        outs = engine.generate([prompts[k] for k in keys], params, sessions=keys, seeds=seeds)
+        for k, out in zip(keys, outs):
+            seen.append((prompts[k], out))
+            prompts[k] = prompts[k] + out.tokens + chat.closing(out.tokens) + chat.observation_ids(
+                [{"role": "user", "content": "moved"}])
+        return outs
+
+    play(["a", "b"], [0, 1])
+    opening = chat.prompt_ids([{"role": "user", "content": "a maze of the group " + "x" * 60}])
+    prompts.update({f"g{i}": list(opening) for i in range(4)})
+    prompts["c"] = chat.prompt_ids([{"role": "user", "content": "another newcomer"}])
+    keys = ["a", "g0", "g1", "b", "g2", "g3", "c"]
+    # a running episode feeds its last sampled token (never fed yet), the closing and the observation
+    running = max(len(prompts[k]) - len(seen[i][0]) - len(seen[i][1].tokens) + 1 for i, k in enumerate("ab"))
+    shapes = _record_forwards(engine)
+    second = play(keys, list(range(10, 17)))
+    assert shapes[0] == (2, len(opening)) and shapes[1] == (7, running), shapes[:2]
+    assert len({tuple(o.tokens) for o in second[1:3] + second[4:6]}) > 1  # one prompt, four streams
+    play(keys, list(range(20, 27)))
+    for prompt, out in seen:
+        torch.testing.assert_close(out.logprobs, full_logprobs(engine, prompt, out.tokens), atol=1e-4, rtol=0)
+
+
+def test_a_newcomer_no_wider_than_the_running_feed_joins_its_forward(tiny_model, chat):
+    """Prefilling apart costs a forward: a newcomer whose prompt is about as wide as what the
+    running episodes feed (the text maze's openings and observations) is fed with them."""
+    engine = perturbed_engine(tiny_model)
+    params = SamplingParams(3, chat.stop_ids, temperature=1.0)
+    a = chat.prompt_ids([{"role": "user", "content": "hi"}])
+    out = engine.generate([a], params, sessions=["a"], seeds=[0])[0]
+    a2 = a + out.tokens + chat.closing(out.tokens) + chat.observation_ids([{"role": "user", "content": "x" * 40}])
+    b = chat.prompt_ids([{"role": "user", "content": "x" * 30}])
+    shapes = _record_forwards(engine)
+    second = engine.generate([a2, b], params, sessions=["a", "b"], seeds=[1, 2])
+    assert shapes[0][0] == 2, shapes
+    for prompt, o in [(a2, second[0]), (b, second[1])]:
+        torch.testing.assert_close(o.logprobs, full_logprobs(engine, prompt, o.tokens), atol=1e-4, rtol=0)
+
+
+def test_newcomers_share_a_prefill_only_when_their_pictures_match(tiny_vlm, vlm_chat):
+    """Image episodes: five newcomers with the same text join a running one, four of them with
+    the same picture: two prompts are prefilled, and each episode's log-probs, over two turns,
+    equal a plain forward over its own pictures."""
+    engine = TorchEngine(tiny_vlm, LoraSpec(rank=4), seed=3)
+    params = SamplingParams(4, vlm_chat.stop_ids, temperature=1.0)
+    pics = {"a": [_picture(0)]}
+    prompts = {"a": vlm_chat.prompt_ids(_pictured("start", pics["a"][0]))}
+    seen = []
+
+    def play(keys, seeds):
+        outs = engine.generate([prompts[k] for k in keys], params, sessions=keys, seeds=seeds,
+                               images=[pics[k] for k in keys])
+        for k, out in zip(keys, outs):
+            seen.append((prompts[k], list(pics[k]), out))
+            pics[k].append(_picture(100 + len(seen)))
+            prompts[k] = prompts[k] + out.tokens + vlm_chat.closing(out.tokens) + vlm_chat.observation_ids(
+                _pictured("moved", pics[k][-1]))
+
+    play(["a"], [0])
+    keys = ["g0", "a", "g1", "h", "g2", "g3"]
+    for key in keys[:1] + keys[2:]:
+        pics[key] = [_picture(2 if key == "h" else 1)]
+        prompts[key] = vlm_chat.prompt_ids(_pictured("start, with the rules of the game " + "x" * 100, pics[key][0]))
+    shapes = _record_forwards(engine)
+    play(keys, [1, 2, 3, 4, 5, 6])
+    assert shapes[0][0] == 2 and shapes[1][0] == 6 and shapes[1][1] < shapes[0][1], shapes[:2]
+    play(keys, [7, 8, 9, 10, 11, 12])
+    for prompt, images, out in seen:
+        torch.testing.assert_close(out.logprobs, _full_vlm_logprobs(engine, prompt, images, out.tokens),
+                                   atol=1e-4, rtol=0)
+
+
 def test_the_engines_load_bf16_on_cuda_and_fp32_on_cpu_by_default(tiny_model):
     from actors.actor import ActorConfig
     from actors.engine import engine_dtype
