@@ -24,6 +24,8 @@ import json
 import threading
 import time
 
+from bench import sig
+
 
 class _Replay:
     """Every credit asked for is granted at once (version 0); pushed groups are timed."""
@@ -104,6 +106,19 @@ def rate(kind: str, model_path: str, warmup: int, groups: int, seed: int, env: s
         return sum(n for _, n in timed) / (timed[-1][0] - t0)
     finally:
         engine.close()
+
+
+def rates_each_way(out: dict, r: int, env: str, path: str, args, option: str, ways: dict) -> dict[str, float]:
+    """Round `r` of a bench that times one torch-engine actor on `env` (`rate` with args.warmup,
+    args.groups, args.group_size) once for each of `ways` (name → the engine's keyword `option`),
+    in the ways' order on even rounds and reversed on odd ones, so that the machine's drift falls
+    on all of them. Appends each rate to out["traj_per_s_<env>_<name>"]; returns the rates."""
+    order = list(ways.items()) if r % 2 == 0 else list(ways.items())[::-1]
+    rates = {name: rate("torch", path, args.warmup, args.groups, r, env, args.group_size, **{option: value})
+             for name, value in order}
+    for name in ways:
+        out.setdefault(f"traj_per_s_{env}_{name}", []).append(sig(rates[name]))
+    return rates
 
 
 def main() -> None:

@@ -77,7 +77,7 @@ def decode_s(model_path: str, growing: bool, rows: int, context: int, new: int) 
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from bench.engines import rate
+    from bench.engines import rates_each_way
     from launch.warmstart import ensure_warmstart
 
     torch.set_num_threads(1)
@@ -85,10 +85,7 @@ def measure(args: argparse.Namespace) -> dict:
     for r in range(args.rounds):
         for env in [e for e in args.envs.split(",") if e]:
             path = args.model or ensure_warmstart(log=print, env=env)
-            rates = {name: rate("torch", path, args.warmup, args.groups, r, env, args.group_size, growing_kv=growing)
-                     for name, growing in CACHES.items()}
-            for name, v in rates.items():
-                out.setdefault(f"traj_per_s_{env}_{name}", []).append(sig(v))
+            rates = rates_each_way(out, r, env, path, args, "growing_kv", CACHES)
             out.setdefault(f"ratio_{env}", []).append(ratio(rates["growing"], rates["dynamic"]))
             print(f"round {r} {env}: {rates['dynamic']:.2f} trajectories/s on DynamicCache, "
                   f"{rates['growing']:.2f} growing", flush=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench import ratio, sig, with_medians
+from bench import ratio, with_medians
 
 WAYS = {"together": False, "apart": True}
 """The two ways measured: name → the torch engine's `prefill_apart`."""
@@ -41,7 +41,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from bench.engines import rate
+    from bench.engines import rates_each_way
     from launch.warmstart import ensure_warmstart
 
     torch.set_num_threads(1)
@@ -49,11 +49,7 @@ def measure(args: argparse.Namespace) -> dict:
     for r in range(args.rounds):
         for env in [e for e in args.envs.split(",") if e]:
             path = args.model or ensure_warmstart(log=print, env=env)
-            order = list(WAYS.items()) if r % 2 == 0 else list(WAYS.items())[::-1]
-            rates = {name: rate("torch", path, args.warmup, args.groups, r, env, args.group_size, prefill_apart=apart)
-                     for name, apart in order}
-            for name in WAYS:
-                out.setdefault(f"traj_per_s_{env}_{name}", []).append(sig(rates[name]))
+            rates = rates_each_way(out, r, env, path, args, "prefill_apart", WAYS)
             out.setdefault(f"ratio_{env}", []).append(ratio(rates["apart"], rates["together"]))
             print(f"round {r} {env}: {rates['together']:.2f} trajectories/s prefilled together, "
                   f"{rates['apart']:.2f} apart", flush=True)
