@@ -31,6 +31,17 @@ it checkpoints each decoder layer without renaming modules (a `checkpoint_wrappe
 `_checkpoint_wrapped_module.` to every name, and with it to the published adapter's keys), and
 non-reentrant checkpointing gives the LoRA weights their gradients without inputs that require
 grad. FSDP2 re-gathers a layer's parameters when its forward is replayed in the backward.
+
+Fused LoRA (`fuse_lora`, --learner.fused-lora): PEFT computes a LoRA layer as W·x + s·B·(A·x),
+two thin products, a scale and a sum in the forward and as many again in the backward. Where the
+adapter is not thin next to W (r·(in+out) ≥ in·out/3: every layer of the built-in models at rank
+32, none of a 0.5B model's) those extra kernels cost more than the one they save: the layer is
+then computed as one linear map with W' = W + s·B·A, built at each forward (autograd takes the
+gradients of A and B through the product: s·dW'·Aᵀ and s·Bᵀ·dW', dW' = dyᵀ·x). The same values
+and gradients up to float summation order; only in float32 compute (in bfloat16 W' would round
+the adapter's update against W's magnitude). The module tree, the names and the saved adapter are
+PEFT's own; a layer whose adapters are disabled, merged, mixed or more than one at a time takes
+PEFT's forward.
 """
 
 from __future__ import annotations
@@ -96,15 +107,51 @@ def decoder_layers(model) -> list:
             for layer in stack]
 
 
+def _fusable(layer) -> bool:
+    """Whether a PEFT LoRA layer is worth computing fused (module docstring): a plain linear base,
+    plain LoRA (no dropout, no variant such as DoRA) and r·(in+out) ≥ in·out/3."""
+    base = layer.base_layer
+    if not isinstance(base, torch.nn.Linear) or getattr(layer, "fan_in_fan_out", False) or layer.lora_variant:
+        return False
+    if any(not isinstance(d, torch.nn.Identity) for d in layer.lora_dropout.values()) or not layer.r:
+        return False
+    return 3 * max(layer.r.values()) * (base.in_features + base.out_features) >= base.in_features * base.out_features
+
+
+def _fused_forward(self, x, *args, **kwargs):
+    """A LoRA layer's forward as one linear map, W + s·B·A (module docstring); PEFT's own forward
+    for anything but one active plain adapter."""
+    active = self.active_adapters
+    if args or kwargs or self.disable_adapters or self.merged or len(active) != 1 or active[0] not in self.lora_A:
+        return type(self).forward(self, x, *args, **kwargs)
+    name, base = active[0], self.base_layer
+    weight = torch.addmm(base.weight, self.lora_B[name].weight, self.lora_A[name].weight, alpha=self.scaling[name])
+    return torch.nn.functional.linear(x, weight, base.bias)
+
+
+def fuse_lora(model) -> int:
+    """Compute the LoRA layers of `model` (a PEFT model) that `_fusable` admits as one linear map
+    each (module docstring); returns how many. Only for float32 compute."""
+    import types
+
+    from peft.tuners.lora import Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Linear) and _fusable(m)]
+    for m in layers:
+        m.forward = types.MethodType(_fused_forward, m)
+    return len(layers)
+
+
 def build_policy(source, lora: LoraSpec | None, mesh, device: torch.device, dtype: torch.dtype,
-                 critic: bool = False, checkpointing: bool = False):
+                 critic: bool = False, checkpointing: bool = False, fused: bool = False):
     """The PEFT policy sharded over `mesh`, and PPO's value head (None without `critic`). With
     `lora` None, the base model alone, sharded (no `critic`): adapters added to it later are plain
     tensors beside FSDP's shards, the same on every rank (serve/trainer.py).
 
     `source` is a model path (weights from rank 0's checkpoint) or a transformers config (a
     randomly initialised model of that shape: benchmarks of sizes without a checkpoint). Every
-    rank of `mesh` must call, with the same global RNG state."""
+    rank of `mesh` must call, with the same global RNG state. `fused`: LoRA layers computed fused
+    where that pays (`fuse_lora`; float32 only)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -124,6 +171,8 @@ def build_policy(source, lora: LoraSpec | None, mesh, device: torch.device, dtyp
         model = _add_adapters(base, lora, critic)
         if lora is None:
             base.requires_grad_(False)  # frozen before sharding: FSDP then reduces no base gradient
+    if fused and lora is not None and dtype == torch.float32:
+        fuse_lora(model)
     if checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     buffers = {name: b.clone() for name, b in model.named_buffers()}

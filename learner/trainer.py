@@ -128,7 +128,8 @@ class Learner(Forward):
         self.keep_gathered = self.cfg.keep_gathered == "on" or (self.cfg.keep_gathered == "auto" and not cuda)
         model, self.value_head = build_policy(
             self.base_config or self.model_path, self.cfg.lora, mesh, self.device, self.dtype,
-            critic=self.algo == "ppo", checkpointing=self.cfg.activation_checkpointing)
+            critic=self.algo == "ppo", checkpointing=self.cfg.activation_checkpointing,
+            fused=self.cfg.fused_lora)
         self.pad_id = pad_id(model.config)
         self.model = model
         self.scheme = None if self.base_config is not None else scheme_for(self.model_path)

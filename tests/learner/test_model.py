@@ -1,5 +1,5 @@
 """learner/model.py on a real 2-rank FSDP2 group over gloo: meta-device loading from rank 0,
-bf16 mixed precision with fp32 LoRA and AdamW state, activation checkpointing."""
+bf16 mixed precision with fp32 LoRA and AdamW state, activation checkpointing, fused LoRA layers."""
 
 import multiprocessing as mp
 import queue
@@ -243,6 +243,74 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny
         assert all(np.abs(g).max() > 0 for g in plain.values())  # every adapter weight gets a gradient
         for name in plain:
             np.testing.assert_allclose(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def _fused_rank(rank, url, model_path, out):
+    import torch
+    import torch.distributed as dist
+    from peft.tuners.lora import Linear
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from learner.config import CRITIC
+    from learner.critic import route
+    from learner.losses import token_logprobs
+    from learner.model import build_policy
+    from policy.load import LoraSpec
+
+    def fused(model) -> tuple[int, int]:
+        layers = [m for m in model.modules() if isinstance(m, Linear)]
+        return sum("forward" in vars(m) for m in layers), len(layers)
+
+    mesh = _group(rank, url)
+    cpu = torch.device("cpu")
+    try:
+        tokens, attention = _tokens()
+        results = {}
+        for fuse in (False, True):
+            torch.manual_seed(0)
+            model, _ = build_policy(model_path, LoraSpec(), mesh, cpu, torch.float32, critic=True, fused=fuse)
+            gen = torch.Generator().manual_seed(1)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:  # both adapters away from the identity, the same each time
+                    full = torch.randn(p.shape, generator=gen) * 0.1
+                    p.to_local().detach().copy_(distribute_tensor(full, mesh, [Shard(0)]).to_local())
+            layers = [m for m in model.modules() if isinstance(m, Linear)]
+            model.train()
+            logp = token_logprobs(model(input_ids=tokens, attention_mask=attention).logits, tokens)
+            with route(layers, CRITIC):  # PPO's critic: the same layers through its adapter
+                critic = token_logprobs(model(input_ids=tokens, attention_mask=attention).logits, tokens)
+            ((logp + 0.5 * critic) * attention).sum().backward()
+            with torch.no_grad(), model.disable_adapter():
+                base = token_logprobs(model(input_ids=tokens, attention_mask=attention).logits, tokens)
+            grads = {n: p.grad.full_tensor().numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+            results[fuse] = dict(logp=logp.detach().numpy(), critic=critic.detach().numpy(), base=base.numpy(),
+                                 grads=grads, fused=fused(model))
+        thin, _ = build_policy(model_path, LoraSpec(rank=2), mesh, cpu, torch.float32, fused=True)
+        half, _ = build_policy(model_path, LoraSpec(), mesh, cpu, torch.bfloat16, fused=True)
+        results["thin"], results["bf16"] = fused(thin), fused(half)
+        out.put((rank, results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fused_lora_layers_give_peft_values_and_gradients_for_both_adapters(tiny_model):
+    """Every LoRA layer of the built-in model at rank 32 is computed as one linear map (W + s·B·A)
+    and gives PEFT's log-probs, its critic's, the base's with adapters disabled, and the gradients of
+    both adapters, on two FSDP ranks; thin adapters (rank 2) and bfloat16 compute keep PEFT's path."""
+    results = _spawn(_fused_rank, tiny_model)
+    for r in results.values():
+        peft, fused = r[False], r[True]
+        assert peft["fused"][0] == 0 and fused["fused"][0] == fused["fused"][1] > 0
+        assert r["thin"][0] == 0 < r["thin"][1] and r["bf16"][0] == 0 < r["bf16"][1]
+        for key in ("logp", "critic", "base"):
+            np.testing.assert_allclose(fused[key], peft[key], rtol=1e-5, atol=1e-5, err_msg=key)
+        assert np.abs(peft["logp"] - peft["base"]).max() > 1e-3  # the adapter changes what is compared
+        assert peft["grads"].keys() == fused["grads"].keys()
+        assert any(".critic." in n for n in peft["grads"]) and any(".default." in n for n in peft["grads"])
+        for name, g in peft["grads"].items():
+            assert np.abs(g).max() > 0, name
+            # summation order differs: each entry within 1e-5 of the tensor's largest
+            np.testing.assert_allclose(fused["grads"][name], g, rtol=1e-4, atol=1e-5 * np.abs(g).max(), err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["float16", "bf16"])
