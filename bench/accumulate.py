@@ -1,21 +1,26 @@
-"""`python -m bench.accumulate`: a 2-rank learner step with --learner.keep-gathered on and off.
+"""`python -m bench.accumulate`: a 2-rank learner step with --learner.keep-gathered (or, with
+`--option fused-lora`, --learner.fused-lora) on and off.
 
 Gradient accumulation under FSDP2 gathers every unit's parameters twice a micro-batch (forward and
 backward) and reduce-scatters its gradients once a micro-batch. With --learner.keep-gathered the
 parameters gathered for an update's first micro-batch stay until its last and the gradients are
-reduced once, after the last. This bench times the real learner's step both ways: two ranks over
-gloo (one torch thread each), fed by a real replay service, on image-maze groups that the torch
-engine played with the built-in vision-language model (`--model`, `builtin:tiny-vlm` by default:
-built locally, nothing downloaded). The groups are played once (--group-size episodes each, up to
---turns moves); their rewards are then set to 1, 0, 1, ... so that every row trains (this bench
-measures a step's cost, not learning), and every step gets copies of them under new ids.
+reduced once, after the last. With --learner.fused-lora a LoRA layer whose adapter is not thin
+next to its weight is computed as one linear map with W + s·B·A (learner/model.py). This bench
+times the real learner's step both ways: two ranks over gloo (one torch thread each), fed by a
+real replay service, on image-maze groups that the torch engine played with the built-in
+vision-language model (`--model`, `builtin:tiny-vlm` by default: built locally, nothing
+downloaded; `builtin:vlm` is the image maze's warm start). The groups are played once
+(--group-size episodes each, up to --turns moves); their rewards are then set to 1, 0, 1, ... so
+that every row trains (this bench measures a step's cost, not learning), and every step gets
+copies of them under new ids.
 
 Each variant runs in fresh rank processes: --warmup untimed steps, then --steps timed ones; the
 figure is their mean wall time and each rank's CPU time a step. --load N starts N busy processes
 beside the ranks for the whole bench (both variants), as a run's actors share the cores with its
-learners. Variants alternate for --rounds rounds. The last line is one JSON object: step_s and
-cpu_s of each variant (means over rounds), their ratios (off / on) per round, and the step's
-loss both ways (the same updates: equal up to float summation order).
+learners. The variants take turns for --rounds rounds, "off" first in odd rounds and "on" first
+in even ones. The last line is one JSON object: step_s and cpu_s of each variant (means over
+rounds), their ratios (off / on) per round, and the step's loss both ways (the same updates:
+equal up to float summation order). The other option stays at its default in both variants.
 """
 
 from __future__ import annotations
@@ -32,10 +37,15 @@ import time
 from bench import ratio, sig, with_medians
 
 VARIANTS = ("off", "on")
+OPTIONS = {"keep-gathered": ("keep_gathered", {"off": "off", "on": "on"}),
+           "fused-lora": ("fused_lora", {"off": False, "on": True})}
+"""--option: the LearnerConfig field it sets, and its value in each variant."""
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.accumulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--option", choices=sorted(OPTIONS), default="keep-gathered",
+                   help="the learner option set off and on (keep-gathered)")
     p.add_argument("--model", default="builtin:tiny-vlm", help="a vision-language model (builtin:tiny-vlm)")
     p.add_argument("--groups", type=int, default=8, help="groups a step, over both ranks (8: the image maze's)")
     p.add_argument("--group-size", type=int, default=16, help="episodes a group (16: the image maze's)")
@@ -87,13 +97,13 @@ def play_groups(model: str, groups: int, group_size: int, turns: int) -> list:
     return out
 
 
-def _rank(rank: int, url: str, model: str, endpoint: str, args: argparse.Namespace, keep: str, out) -> None:
+def _rank(rank: int, url: str, model: str, endpoint: str, args: argparse.Namespace, variant: str, out) -> None:
     """One rank's steps; puts (rank, figures) or (rank, {"error": ...}) in `out`, then ends the process."""
     import traceback
 
     code = 1
     try:
-        _steps(rank, url, model, endpoint, args, keep, out)
+        _steps(rank, url, model, endpoint, args, variant, out)
         code = 0
     except BaseException:
         out.put((rank, {"error": traceback.format_exc()}))
@@ -103,7 +113,7 @@ def _rank(rank: int, url: str, model: str, endpoint: str, args: argparse.Namespa
         os._exit(code)  # no interpreter teardown racing the process group's threads
 
 
-def _steps(rank: int, url: str, model: str, endpoint: str, args: argparse.Namespace, keep: str, out) -> None:
+def _steps(rank: int, url: str, model: str, endpoint: str, args: argparse.Namespace, variant: str, out) -> None:
     import torch
 
     from learner.config import LearnerConfig
@@ -112,7 +122,8 @@ def _steps(rank: int, url: str, model: str, endpoint: str, args: argparse.Namesp
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = LearnerConfig(groups_per_step=args.groups, micro_batch=args.micro_batch, keep_gathered=keep,
+    field, values = OPTIONS[args.option]
+    cfg = LearnerConfig(groups_per_step=args.groups, micro_batch=args.micro_batch, **{field: values[variant]},
                         device="cpu", threads=1)
     learner = Learner(cfg, model, rank, 2, url, ZmqLearnerReplay(endpoint), temperature=0.7)
     try:
@@ -130,7 +141,7 @@ def _steps(rank: int, url: str, model: str, endpoint: str, args: argparse.Namesp
         learner.close()
 
 
-def run_variant(model: str, groups: list, args: argparse.Namespace, keep: str) -> dict:
+def run_variant(model: str, groups: list, args: argparse.Namespace, variant: str) -> dict:
     """One variant's steps on two fresh ranks; {"step_s", "cpu_s" (mean of the ranks), "losses"}."""
     import dataclasses
 
@@ -145,13 +156,13 @@ def run_variant(model: str, groups: list, args: argparse.Namespace, keep: str) -
         client = ZmqActorReplay(endpoint, actor="bench")
         for k in range(args.warmup + args.steps):
             for g in groups:
-                client.push(dataclasses.replace(g, group_id=f"{g.group_id}-{keep}-{k}"))
+                client.push(dataclasses.replace(g, group_id=f"{g.group_id}-{variant}-{k}"))
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        procs = [ctx.Process(target=_rank, args=(r, url, model, endpoint, args, keep, out)) for r in (0, 1)]
+        procs = [ctx.Process(target=_rank, args=(r, url, model, endpoint, args, variant, out)) for r in (0, 1)]
         for p in procs:
             p.start()
         results = dict(out.get(timeout=3600) for _ in procs)
@@ -159,7 +170,7 @@ def run_variant(model: str, groups: list, args: argparse.Namespace, keep: str) -
             p.join(60)
         errors = [r["error"] for r in results.values() if "error" in r]
         if errors or [p.exitcode for p in procs] != [0, 0]:
-            raise SystemExit(f"a rank of the {keep} variant failed:\n{errors[0] if errors else ''}")
+            raise SystemExit(f"a rank of the {variant} variant failed:\n{errors[0] if errors else ''}")
     finally:
         server.stop()
     return {"step_s": max(r["step_s"] for r in results.values()),
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     from policy.load import resolve_model
 
     model = resolve_model(args.model)
-    print(f"accumulate bench: {args.model}, {args.groups} groups of {args.group_size} a step ({args.micro_batch} "
+    print(f"accumulate bench: --learner.{args.option} off and on; {args.model}, {args.groups} groups of {args.group_size} a step ({args.micro_batch} "
           f"rows a micro-batch) on 2 ranks; {args.warmup} warm-up + {args.steps} timed steps a variant, "
           f"{args.rounds} rounds; {args.load} busy processes beside", flush=True)
     groups = play_groups(model, args.groups, args.group_size, args.turns)
@@ -181,19 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rounds = []
         for r in range(args.rounds):
-            res = {keep: run_variant(model, groups, args, keep) for keep in VARIANTS}
+            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]  # the machine's drift falls on both
+            res = {variant: run_variant(model, groups, args, variant) for variant in order}
             rounds.append(res)
-            print(f"round {r + 1}: " + ", ".join(f"keep-gathered {k}: step {v['step_s']:.2f}s, "
+            print(f"round {r + 1}: " + ", ".join(f"{args.option} {k}: step {v['step_s']:.2f}s, "
                                                    f"{v['cpu_s']:.2f} CPU-s a rank" for k, v in res.items()), flush=True)
     finally:
         for p in load:
             p.kill()
-    figures = {"model": args.model, "load": args.load, "groups": args.groups, "group_size": args.group_size,
+    figures = {"option": args.option, "model": args.model, "load": args.load, "groups": args.groups, "group_size": args.group_size,
                "mean_tokens": round(sum(tokens) / len(tokens))}
-    for keep in VARIANTS:
-        figures[f"step_s_{keep}"] = sig(sum(x[keep]["step_s"] for x in rounds) / len(rounds))
-        figures[f"cpu_s_{keep}"] = sig(sum(x[keep]["cpu_s"] for x in rounds) / len(rounds))
-        figures[f"loss_{keep}"] = rounds[0][keep]["losses"]
+    for variant in VARIANTS:
+        figures[f"step_s_{variant}"] = sig(sum(x[variant]["step_s"] for x in rounds) / len(rounds))
+        figures[f"cpu_s_{variant}"] = sig(sum(x[variant]["cpu_s"] for x in rounds) / len(rounds))
+        figures[f"loss_{variant}"] = rounds[0][variant]["losses"]
     figures["step_ratio"] = [ratio(x["off"]["step_s"], x["on"]["step_s"]) for x in rounds]
     figures["cpu_ratio"] = [ratio(x["off"]["cpu_s"], x["on"]["cpu_s"]) for x in rounds]
     print(json.dumps(with_medians(figures)), flush=True)

@@ -36,6 +36,8 @@ def test_hand_worked_log_probs_and_entropy(chunk):
 def test_values_and_hidden_state_gradients_equal_the_whole_logits(temperature):
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(16, 300, bias=False)
+    with torch.no_grad():  # drawn from the test's own generator, not from whatever ran before it
+        head.weight.copy_(torch.randn(300, 16, generator=g) / 4)
     hidden = torch.randn(3, 11, 16, generator=g, requires_grad=True)
     tokens = torch.randint(0, 300, (3, 11), generator=g)
     w, u = torch.randn(3, 11, generator=g), torch.randn(3, 11, generator=g)
@@ -51,8 +53,8 @@ def test_values_and_hidden_state_gradients_equal_the_whole_logits(temperature):
     for chunk in (1, 4, 7, 30, 1000):  # 30 positions in all: chunks of one, uneven ones, one chunk
         chunked = grads(lambda: chunked_terms(hidden, head, tokens, temperature, chunk, entropy=True,
                                               entropy_grad=True))
-        for a, b in zip(whole, chunked):
-            close(b, a, rtol=1e-6, atol=1e-6)
+        for a, b in zip(whole, chunked):  # sums over other chunkings: float32's rounding apart
+            close(b, a, rtol=1e-5, atol=1e-5)
 
 
 def test_the_entropy_is_a_metric_without_its_coefficient_and_no_grad_builds_no_graph():

@@ -1,0 +1,25 @@
+"""bench.accumulate times the real 2-rank learner step with a learner option off and on."""
+
+import json
+
+import pytest
+
+from bench.accumulate import main, parse
+
+
+@pytest.mark.slow
+def test_the_bench_times_fused_lora_off_and_on_run_as_a_user_would(tiny_vlm, capsys):
+    assert main(["--option", "fused-lora", "--model", tiny_vlm, "--groups", "2", "--group-size", "2",
+                 "--turns", "2", "--warmup", "0", "--steps", "1", "--rounds", "1"]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["option"] == "fused-lora"
+    assert figures["step_s_off"] > 0 and figures["step_s_on"] > 0 and figures["step_ratio"][0] > 0
+    # the same update either way: the losses agree up to float summation order
+    assert figures["loss_on"] == pytest.approx(figures["loss_off"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("argv, named", [(["--option", "bf16"], "--option"), (["--groups", "3"], "--groups")])
+def test_bad_arguments_are_refused_with_a_message(capsys, argv, named):
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert named in capsys.readouterr().err
