@@ -155,8 +155,8 @@ class LearnerConfig:
     """Compute a LoRA layer as one linear map with the weight W + (alpha/r)·B·A, built at each
     forward, where the adapter is not thin next to W (r·(in+out) ≥ in·out/3: the built-in models'
     layers at rank 32, not a 0.5B model's) and compute is float32: the same values and gradients
-    as PEFT's separate path, whose extra products, scale and sum cost more there (python -m
-    bench.fused_lora). False: PEFT's path everywhere."""
+    as PEFT's separate path, whose extra products, scale and sum cost more there
+    (docs/models.md). False: PEFT's path everywhere."""
     keep_gathered: Literal["auto", "on", "off"] = "auto"
     """Gradient accumulation with fewer collectives: the parameters FSDP gathers for an optimizer
     update's first micro-batch stay gathered until its last, and gradients are reduced once, after
