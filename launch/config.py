@@ -345,10 +345,11 @@ PROG = "python -m launch.async"
 
 RESUME_SAFE = ("actors", "steps", "max_minutes", "eval_every", "ray_address", "resume", "checkpoint_every",
                "keep_checkpoints", "actor.restarts", "actor.spread", "actor.threads", "learner.restarts",
-               "learner.threads", "learner.fused_lora", "replay.restarts", "replay.port", "replay.host", "actor.gpus", "learner.gpus",
-               "actor.sleep", "log.wandb", "log.mlflow", "log.samples_every")
+               "learner.threads", "learner.fused_lora", "replay.restarts", "replay.port", "replay.host",
+               "actor.gpus", "learner.gpus", "actor.sleep", "log.wandb", "log.mlflow", "log.samples_every")
 """What flags given with --resume may change: how many actors, budgets, placement (the GPUs each
-part asks for too), restarts, threads and where the run logs. Anything else (the model, the algorithm, the batch, the
+part asks for too), restarts, threads, how the learner computes the same updates (fused LoRA) and
+where the run logs. Anything else (the model, the algorithm, the batch, the
 environment) would make the rest of the run another experiment."""
 
 
