@@ -197,10 +197,22 @@ def test_bf16_mixed_precision_keeps_lora_and_adamw_in_fp32(tiny_model, algo):
     assert results[0]["wire"] == dict(version=1, dtypes={torch.bfloat16}, equal=True)
 
 
+def _random_b(model, mesh) -> None:
+    """Every LoRA B of a sharded model set to the same random values each call (B = 0 would leave
+    A without gradient and the adapter the identity)."""
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            full = torch.randn(p.shape, generator=gen) * 0.1
+            p.to_local().detach().copy_(distribute_tensor(full, mesh, [Shard(0)]).to_local())
+
+
 def _checkpointing_rank(rank, url, model_path, out):
     import torch
     import torch.distributed as dist
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     from learner.losses import token_logprobs
     from learner.model import build_policy, decoder_layers
@@ -214,11 +226,7 @@ def _checkpointing_rank(rank, url, model_path, out):
             torch.manual_seed(0)
             model, _ = build_policy(model_path, LoraSpec(), mesh, torch.device("cpu"), torch.float32,
                                     checkpointing=checkpointing)
-            gen = torch.Generator().manual_seed(1)
-            for name, p in model.named_parameters():
-                if "lora_B" in name:  # B = 0 would leave A without gradient: give B values, the same each time
-                    full = torch.randn(p.shape, generator=gen) * 0.1
-                    p.to_local().detach().copy_(distribute_tensor(full, mesh, [Shard(0)]).to_local())
+            _random_b(model, mesh)
             count = [0]
             # a pre-hook: the replay stops early once it has what the backward needs, before the mlp returns
             decoder_layers(model)[1].mlp.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
@@ -249,7 +257,6 @@ def _fused_rank(rank, url, model_path, out):
     import torch
     import torch.distributed as dist
     from peft.tuners.lora import Linear
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     from learner.config import CRITIC
     from learner.critic import route
@@ -269,11 +276,7 @@ def _fused_rank(rank, url, model_path, out):
         for fuse in (False, True):
             torch.manual_seed(0)
             model, _ = build_policy(model_path, LoraSpec(), mesh, cpu, torch.float32, critic=True, fused=fuse)
-            gen = torch.Generator().manual_seed(1)
-            for name, p in model.named_parameters():
-                if "lora_B" in name:  # both adapters away from the identity, the same each time
-                    full = torch.randn(p.shape, generator=gen) * 0.1
-                    p.to_local().detach().copy_(distribute_tensor(full, mesh, [Shard(0)]).to_local())
+            _random_b(model, mesh)  # both adapters away from the identity
             layers = [m for m in model.modules() if isinstance(m, Linear)]
             model.train()
             logp = token_logprobs(model(input_ids=tokens, attention_mask=attention).logits, tokens)
