@@ -43,7 +43,7 @@ from envs.base import TextEnv
 from policy.choices import check_choices
 from replay.client import ActorReplay, ReplayUnavailable
 from weights.subscriber import WeightSource
-from replay.wire import Group
+from replay.wire import OUTCOME_SPREAD, Group
 
 log = logging.getLogger("tandem.actor")
 
@@ -75,11 +75,12 @@ class ActorConfig:
     """Tasks each actor keeps for --actor.revisit (the oldest leaves first)."""
     turn_discount: float = 1.0
     """γ of the return a trajectory is trained on: the environment's reward of turn t (from 0)
-    counts γ^t, so of two episodes that reach the goal the shorter earns more, and a group whose
-    episodes all succeed in different numbers of turns still teaches (1 = the environment's
-    rewards summed). The learner's advantages, --replay.drop-zero-variance, --actor.revisit, the
-    replay log and rollout/reward_mean see the return; evaluation reports the environment's own
-    rewards."""
+    counts γ^t, so of two episodes that reach the goal the shorter earns more (1 = the
+    environment's rewards summed). The learner's advantages, the replay log and
+    rollout/reward_mean see the return; --replay.drop-zero-variance and --actor.revisit judge a
+    group by what its episodes achieved (the rewards undiscounted), so a group whose episodes all
+    succeed, in whatever numbers of turns, is still dropped and the discount ranks the episodes
+    of the groups kept; evaluation reports the environment's own rewards."""
     groups_in_flight: int = 0
     """Groups each actor plays concurrently (its batch is about this × group_size episodes). 0
     scales it from the actor's GPUs: 4 on the CPU; with --actor.gpus g, enough groups for
@@ -392,10 +393,13 @@ class Actor:
             close(e)
             if e.error:
                 log.warning("%s: environment error in an episode (%s): %s", self.name, g.task, e.error)
+        outcomes = [e.outcome for e in g.episodes]
         group = Group(g.group_id, g.task, trajs, actor=self.name,
-                      meta={"gen_s": time.perf_counter() - g.started})
+                      meta={"gen_s": time.perf_counter() - g.started, OUTCOME_SPREAD: float(np.ptp(outcomes))})
         self.replay.send(group)  # acknowledged later; resent until it is
-        mixed = self.revisits.record(g.seed, [t.reward for t in trajs])
+        # Under a turn discount the returns of a group differ with its episodes' lengths; whether
+        # the task has something to teach is a matter of what they achieved.
+        mixed = self.revisits.record(g.seed, outcomes)
         with self._lock:
             self._stats["groups_mixed"] += mixed
             self._stats["groups"] += 1

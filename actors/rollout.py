@@ -82,6 +82,9 @@ class Episode:
     """γ of the return in `reward`: the environment's reward of turn t (from 0) counts γ^t, so
     of two episodes that reach the same reward the shorter has the larger return (1: the
     environment's rewards summed; evaluation always plays with 1)."""
+    outcome: float = 0.0
+    """The environment's rewards summed, undiscounted: what the episode achieved, whatever its
+    length (equal to `reward` when `discount` is 1)."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -270,6 +273,7 @@ def _stepped(ep: Episode, chat, result, params: SamplingParams, max_tokens: int)
         _broken(ep, chat, exc)
         return
     ep.reward += reward * ep.discount ** (ep.turns - 1)  # the turn just played is turn turns - 1
+    ep.outcome += reward
     ep.info = info if isinstance(info, dict) else {}
     if terminated or truncated:
         ep.finish_reason = "terminated" if terminated else "truncated"

@@ -59,6 +59,9 @@ class Entry:
     group_id: str
     version: int
     rewards: np.ndarray
+    spread: float
+    """max − min of what the group's episodes achieved (`Group.outcome_spread`): dynamic sampling
+    drops a group where it is 0."""
     blob: Any  # bytes, the ZeroMQ frame it arrived in, or a view of an actor's arena (served again without a copy)
     actor: str = ""
     ref: list | None = None
@@ -68,7 +71,7 @@ class Entry:
 
     @classmethod
     def of(cls, group: Group, blob: Any, ref: list | None = None, release: Callable[[], None] | None = None) -> Entry:
-        return cls(group.group_id, group.version, group.rewards, blob, group.actor, ref, release)
+        return cls(group.group_id, group.version, group.rewards, group.outcome_spread, blob, group.actor, ref, release)
 
     def free(self) -> None:
         if self.release is not None:
@@ -261,11 +264,12 @@ class ReplayBuffer:
         return None
 
     def _drops(self, entry: Entry) -> bool:
-        """Dynamic sampling: whether to drop `entry`, a group whose rewards are all equal (it
-        carries no group-relative signal). Never starves the learner: once `drop_limit` such groups
-        came in a row (a task the policy always or never solves), they are kept, as without the
-        filter, until a group with a signal comes."""
-        if np.ptp(entry.rewards) != 0:
+        """Dynamic sampling: whether to drop `entry`, a group whose episodes all achieved the same
+        (it carries no group-relative signal about the task; under a turn discount their returns
+        may still differ by length, which only ranks the episodes of groups kept). Never starves
+        the learner: once `drop_limit` such groups came in a row (a task the policy always or never
+        solves), they are kept, as without the filter, until a group with a signal comes."""
+        if entry.spread != 0:
             self.dropped_in_a_row = 0
             return False
         if self.dropped_in_a_row >= self.drop_limit:

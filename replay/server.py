@@ -61,8 +61,9 @@ class ReplayConfig:
     order: Literal["fifo", "newest"] = "fifo"
     """Sampling order among fresh groups: "fifo" (oldest first) or "newest"."""
     drop_zero_variance: bool = False
-    """Dynamic sampling (DAPO's): drop (and count) groups whose rewards are all equal, which carry no
-    signal for group-relative advantages, so that every step trains on groups that do; a step then
+    """Dynamic sampling (DAPO's): drop (and count) groups whose rewards are all equal (under
+    --actor.turn-discount, the rewards before the discount), which carry no signal for
+    group-relative advantages, so that every step trains on groups that do; a step then
     waits for more rollouts. It never starves the learner: after --replay.drop-patience steps'
     worth of such groups in a row (a task the policy always or never solves), they are kept until a
     group with a signal comes. For the asynchronous mode with --algo grpo or rloo (refused with PPO,

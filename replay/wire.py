@@ -110,6 +110,12 @@ class Trajectory:
         return int(source.min()) if source.size else 0
 
 
+OUTCOME_SPREAD = "outcome_spread"
+"""Key of `Group.meta`: max − min of what the group's episodes achieved (their environments'
+rewards undiscounted), which actors send beside the rewards (their returns, discounted under
+--actor.turn-discount)."""
+
+
 @dataclass
 class Group:
     """G trajectories of the same task: the unit actors push and replay stores."""
@@ -138,6 +144,13 @@ class Group:
         if self._rewards is not None:
             return self._rewards
         return np.array([t.reward for t in self.trajectories], dtype=np.float32)
+
+    @property
+    def outcome_spread(self) -> float:
+        """max − min of what the episodes achieved: meta's OUTCOME_SPREAD where the actor sent it,
+        else the rewards' own (a group without a discount, or from a producer of its own)."""
+        spread = self.meta.get(OUTCOME_SPREAD)
+        return float(np.ptp(self.rewards)) if spread is None else float(spread)
 
 
 MAC_BYTES = 32
@@ -401,6 +414,9 @@ def read_group(blob: Any, trajectories: bool = True) -> Group:
         raise WireError(f"{what}: rewards must be finite")
     if not set(finish) <= set(FINISH_REASONS):
         raise WireError(f"{what}: unknown finish reason")
+    spread = header.meta.get(OUTCOME_SPREAD, 0.0)
+    if not (math.isfinite(spread) and spread >= 0):
+        raise WireError(f"{what}: meta {OUTCOME_SPREAD!r} must be a finite spread (>= 0), got {spread}")
     shapes = header.images or [[] for _ in lens]
     if len(shapes) != len(lens):
         raise WireError(f"group: 'images' has {len(shapes)} entries for {len(lens)} trajectories")

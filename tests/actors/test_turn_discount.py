@@ -1,7 +1,9 @@
-"""--actor.turn-discount: the return a trajectory is trained on discounts each turn's reward by γ^t."""
+"""--actor.turn-discount: the return a trajectory is trained on discounts each turn's reward by γ^t;
+what the episodes achieved (undiscounted) goes beside it, for the replay's drop and revisits."""
 
 import threading
 
+import numpy as np
 import pytest
 
 from actors.actor import Actor, ActorConfig
@@ -9,7 +11,7 @@ from actors.torch_engine import TorchEngine
 from envs.base import TextEnv
 from replay.buffer import ReplayBuffer
 from replay.client import LocalReplay
-from replay.wire import decode_group
+from replay.wire import OUTCOME_SPREAD, decode_group
 from tests.actors.test_actor import LORA, random_adapter
 from weights.publisher import WeightPublisher
 from weights.subscriber import WeightSubscriber
@@ -37,6 +39,10 @@ def expected(turns: int, finish: str, gamma: float) -> float:
     return sum(0.25 * gamma**t for t in range(turns - 1)) + last * gamma ** (turns - 1)
 
 
+def achieved(turns: int, finish: str) -> float:
+    return expected(turns, finish, 1.0)
+
+
 def play(tiny_model, chat, gamma: float):
     engine = TorchEngine(tiny_model, LORA, seed=5)
     buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
@@ -51,14 +57,15 @@ def play(tiny_model, chat, gamma: float):
         actor.runner.close()
         subscriber.close()
         publisher.close()
-    return [t for e in buffer.queue for t in decode_group(e.blob).trajectories]
+    return [decode_group(e.blob) for e in buffer.queue]
 
 
 @pytest.mark.parametrize("gamma", [0.5, 1.0])
 def test_each_turns_reward_counts_gamma_to_the_turn_in_the_trained_return(tiny_model, chat, gamma):
     """Run as a user would with --actor.turn-discount 0.5 (and without it): every trajectory pushed
     to replay carries Σ γ^t r_t over its turns; with 1 the environment's rewards summed."""
-    trajs = play(tiny_model, chat, gamma)
+    groups = play(tiny_model, chat, gamma)
+    trajs = [t for g in groups for t in g.trajectories]
     assert len(trajs) >= 40
     assert {t.turns for t in trajs} >= {1, 2}, "the episodes end after different numbers of turns"
     assert {t.finish_reason for t in trajs} <= {"terminated", "truncated"}
@@ -70,3 +77,17 @@ def test_each_turns_reward_counts_gamma_to_the_turn_in_the_trained_return(tiny_m
 def test_a_discount_outside_zero_to_one_is_refused(gamma):
     with pytest.raises(ValueError, match="--actor.turn-discount"):
         ActorConfig(turn_discount=gamma)
+
+
+def test_the_groups_spread_of_what_episodes_achieved_goes_beside_the_discounted_returns(tiny_model, chat):
+    """Run as a user would with --actor.turn-discount 0.5: each group pushed says how far apart its
+    episodes' undiscounted rewards lie (the replay drops a group by it, not by the returns)."""
+    groups = play(tiny_model, chat, 0.5)
+    spreads = []
+    for g in groups:
+        outcomes = [achieved(t.turns, t.finish_reason) for t in g.trajectories]
+        assert g.meta[OUTCOME_SPREAD] == pytest.approx(max(outcomes) - min(outcomes), abs=1e-6)
+        assert g.outcome_spread == g.meta[OUTCOME_SPREAD]
+        spreads.append(g.outcome_spread)
+    assert any(abs(np.ptp(g.rewards) - s) > 1e-3 for g, s in zip(groups, spreads)), \
+        "the returns' spread is not what the episodes achieved"

@@ -10,7 +10,7 @@ import zmq
 from replay.buffer import ReplayBuffer
 from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.server import ReplayServer
-from replay.wire import WireError
+from replay.wire import OUTCOME_SPREAD, WireError
 
 from tests.replay.helpers import assert_same_images, bad_image_blobs, make_group, make_image_group
 
@@ -64,6 +64,28 @@ def test_a_group_of_equal_rewards_is_acknowledged_as_filtered():
         actor.hello()
         assert actor.push(make_group(seed=1, rewards=[1.0] * 4)) == "filtered"
         assert actor.push(make_group(seed=2)) == "stored"
+        stats = srv.snapshot()
+        assert stats["dropped"] == {"zero_variance": 1} and stats["received_groups"] == 1
+    finally:
+        srv.stop()
+
+
+def test_a_discounted_group_is_dropped_by_what_its_episodes_achieved():
+    """Returns of a group played under --actor.turn-discount differ with the episodes' lengths; over
+    a real socket the replay drops the group when its episodes all achieved the same, and keeps one
+    whose achievements differ."""
+    srv = ReplayServer(ReplayBuffer(groups_per_step=1, max_staleness=1, drop_zero_variance=True),
+                       "tcp://127.0.0.1:*")
+    srv.start()
+    try:
+        actor = ZmqActorReplay(srv.endpoint, actor="a")
+        actor.hello()
+        all_solved = make_group(seed=1, rewards=[0.9, 0.81, 0.729, 0.9])
+        all_solved.meta[OUTCOME_SPREAD] = 0.0
+        assert actor.push(all_solved) == "filtered"
+        mixed = make_group(seed=2, rewards=[0.9, 0.0, 0.729, 0.0])
+        mixed.meta[OUTCOME_SPREAD] = 1.0
+        assert actor.push(mixed) == "stored"
         stats = srv.snapshot()
         assert stats["dropped"] == {"zero_variance": 1} and stats["received_groups"] == 1
     finally:

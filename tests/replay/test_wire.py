@@ -131,6 +131,8 @@ def _set(view, dtype, field_index, value, n):
     (lambda: corrupt(lambda h: h["lens"].__setitem__(0, 999)), "payload length"),
     (lambda: corrupt(lambda h: h["rewards"].__setitem__(0, float("nan"))), "finite"),
     (lambda: corrupt(lambda h: h["finish"].__setitem__(0, "exploded")), "finish reason"),
+    (lambda: corrupt(lambda h: h["meta"].update(outcome_spread=float("inf"))), "outcome_spread"),
+    (lambda: corrupt(lambda h: h["meta"].update(outcome_spread=-1.0)), "outcome_spread"),
     (lambda: corrupt(lambda h: h.pop("turns")), "turns"),
     (lambda: corrupt(lambda h: h["turns"].pop()), "'turns' has 3 entries for 4"),
     (lambda: corrupt(lambda h: h.update(lens=[], rewards=[], turns=[], finish=[])), "trajectories"),
