@@ -55,39 +55,29 @@ def test_round_trip_credits_push_and_sharded_sample(server):
         np.testing.assert_array_equal(g.trajectories[0].tokens, sent[g.group_id].trajectories[0].tokens)
 
 
-def test_a_group_of_equal_rewards_is_acknowledged_as_filtered():
+@pytest.mark.parametrize("rewards, spread, status", [
+    ([1.0] * 4, None, "filtered"),
+    ([0.0, 1.0, 0.0, 1.0], None, "stored"),
+    # played under --actor.turn-discount 0.9: returns differ with the episodes' lengths
+    ([0.9, 0.81, 0.729, 0.9], 0.0, "filtered"),    # every episode solved the task
+    ([0.9, 0.0, 0.729, 0.0], 1.0, "stored"),       # some failed
+])
+def test_a_group_whose_episodes_all_achieved_the_same_is_acknowledged_as_filtered(rewards, spread, status):
+    """Over a real socket the replay drops a group whose episodes all achieved the same (their
+    rewards, or under a turn discount the undiscounted ones the actor sends beside them)."""
     srv = ReplayServer(ReplayBuffer(groups_per_step=1, max_staleness=1, drop_zero_variance=True),
                        "tcp://127.0.0.1:*")
     srv.start()
     try:
         actor = ZmqActorReplay(srv.endpoint, actor="a")
         actor.hello()
-        assert actor.push(make_group(seed=1, rewards=[1.0] * 4)) == "filtered"
-        assert actor.push(make_group(seed=2)) == "stored"
+        group = make_group(seed=1, rewards=rewards)
+        if spread is not None:
+            group.meta[OUTCOME_SPREAD] = spread
+        assert actor.push(group) == status
         stats = srv.snapshot()
-        assert stats["dropped"] == {"zero_variance": 1} and stats["received_groups"] == 1
-    finally:
-        srv.stop()
-
-
-def test_a_discounted_group_is_dropped_by_what_its_episodes_achieved():
-    """Returns of a group played under --actor.turn-discount differ with the episodes' lengths; over
-    a real socket the replay drops the group when its episodes all achieved the same, and keeps one
-    whose achievements differ."""
-    srv = ReplayServer(ReplayBuffer(groups_per_step=1, max_staleness=1, drop_zero_variance=True),
-                       "tcp://127.0.0.1:*")
-    srv.start()
-    try:
-        actor = ZmqActorReplay(srv.endpoint, actor="a")
-        actor.hello()
-        all_solved = make_group(seed=1, rewards=[0.9, 0.81, 0.729, 0.9])
-        all_solved.meta[OUTCOME_SPREAD] = 0.0
-        assert actor.push(all_solved) == "filtered"
-        mixed = make_group(seed=2, rewards=[0.9, 0.0, 0.729, 0.0])
-        mixed.meta[OUTCOME_SPREAD] = 1.0
-        assert actor.push(mixed) == "stored"
-        stats = srv.snapshot()
-        assert stats["dropped"] == {"zero_variance": 1} and stats["received_groups"] == 1
+        assert stats["dropped"] == ({"zero_variance": 1} if status == "filtered" else {})
+        assert stats["received_groups"] == (status == "stored")
     finally:
         srv.stop()
 
