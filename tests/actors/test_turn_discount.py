@@ -63,8 +63,17 @@ def play(tiny_model, chat, gamma: float):
 @pytest.mark.parametrize("gamma", [0.5, 1.0])
 def test_each_turns_reward_counts_gamma_to_the_turn_in_the_trained_return(tiny_model, chat, gamma):
     """Run as a user would with --actor.turn-discount 0.5 (and without it): every trajectory pushed
-    to replay carries Σ γ^t r_t over its turns; with 1 the environment's rewards summed."""
+    to replay carries Σ γ^t r_t over its turns; with 1 the environment's rewards summed. Each group
+    also says how far apart its episodes' undiscounted rewards lie (the replay drops a group by
+    that, not by the returns)."""
     groups = play(tiny_model, chat, gamma)
+    for g in groups:
+        outcomes = [achieved(t.turns, t.finish_reason) for t in g.trajectories]
+        assert g.meta[OUTCOME_SPREAD] == pytest.approx(max(outcomes) - min(outcomes), abs=1e-6)
+        assert g.outcome_spread == g.meta[OUTCOME_SPREAD]
+    if gamma < 1:
+        assert any(abs(np.ptp(g.rewards) - g.outcome_spread) > 1e-3 for g in groups), \
+            "the returns' spread is not what the episodes achieved"
     trajs = [t for g in groups for t in g.trajectories]
     assert len(trajs) >= 40
     assert {t.turns for t in trajs} >= {1, 2}, "the episodes end after different numbers of turns"
@@ -78,16 +87,3 @@ def test_a_discount_outside_zero_to_one_is_refused(gamma):
     with pytest.raises(ValueError, match="--actor.turn-discount"):
         ActorConfig(turn_discount=gamma)
 
-
-def test_the_groups_spread_of_what_episodes_achieved_goes_beside_the_discounted_returns(tiny_model, chat):
-    """Run as a user would with --actor.turn-discount 0.5: each group pushed says how far apart its
-    episodes' undiscounted rewards lie (the replay drops a group by it, not by the returns)."""
-    groups = play(tiny_model, chat, 0.5)
-    spreads = []
-    for g in groups:
-        outcomes = [achieved(t.turns, t.finish_reason) for t in g.trajectories]
-        assert g.meta[OUTCOME_SPREAD] == pytest.approx(max(outcomes) - min(outcomes), abs=1e-6)
-        assert g.outcome_spread == g.meta[OUTCOME_SPREAD]
-        spreads.append(g.outcome_spread)
-    assert any(abs(np.ptp(g.rewards) - s) > 1e-3 for g, s in zip(groups, spreads)), \
-        "the returns' spread is not what the episodes achieved"
