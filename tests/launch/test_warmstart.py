@@ -7,7 +7,8 @@ import torch
 
 from envs.image_maze import ImageMazeEnv, render_image
 from envs.maze import MazeEnv
-from launch.warmstart import LOOK, WarmstartConfig, _train_step, description, exact_replies, perceive
+from launch.warmstart import (LOOK, WarmstartConfig, _train_step, demonstration, description, exact_replies,
+                              perceive, reply_ids)
 
 
 def test_a_description_is_the_text_mazes_lines_for_the_state_in_its_picture(vlm_chat):
@@ -35,16 +36,20 @@ def test_a_description_is_the_text_mazes_lines_for_the_state_in_its_picture(vlm_
     assert description(env, vlm_chat, 3)[0] == description(env, vlm_chat, 3)[0]
 
 
-def test_an_exercise_inside_an_episode_asks_about_the_newest_picture_after_the_episode_as_the_policy_saw_it(vlm_chat):
+@pytest.mark.parametrize("read", [False, True])
+def test_an_exercise_inside_an_episode_asks_about_the_newest_picture_after_the_episode_as_the_policy_saw_it(
+        vlm_chat, read):
     """The context is the episode token for token (the opening, each move, each observation with
-    its picture); the `look` message, holding the newest picture, takes the last observation's
-    place; the reply is that state's lines."""
-    from envs.maze import MOVES
+    its picture; with `read` each move after its reading, as the demonstrations write it); the
+    `look` message, holding the newest picture, takes the last observation's place; the reply is
+    that state's lines."""
+    from envs.maze import parse_move
     from policy.chat import message_images
 
     env, replay = ImageMazeEnv(), ImageMazeEnv()
+    stop = vlm_chat.stop_ids[0]
     for seed in range(30):
-        tokens, mask, images = description(env, vlm_chat, seed, in_episode=True)
+        tokens, mask, images = description(env, vlm_chat, seed, in_episode=True, read=read)
         reply = [t for t, m in zip(tokens, mask) if m]
         assert mask == [0] * (len(tokens) - len(reply)) + [1] * len(reply)
         assert vlm_chat.decode(reply[:-1]) == env.hint_lines()
@@ -52,8 +57,8 @@ def test_an_exercise_inside_an_episode_asks_about_the_newest_picture_after_the_e
         messages, _ = replay.reset(seed=seed)
         want, pictures = vlm_chat.prompt_ids(messages), message_images(messages)
         while True:
-            move = next(m for m in MOVES if vlm_chat.decode(tokens[len(want):len(want) + 8]).startswith(m))
-            want += vlm_chat.tokenizer.encode(move, add_special_tokens=False) + [vlm_chat.stop_ids[0]]
+            move = parse_move(vlm_chat.decode(tokens[len(want):tokens.index(stop, len(want))]))
+            want += reply_ids(replay, vlm_chat, move, read)
             messages, _, terminated, _, _ = replay.step(move)
             look = [{"role": "user", "content": [{"type": "text", "text": LOOK},
                                                   {"type": "image", "image": message_images(messages)[-1]}]}]
@@ -65,6 +70,47 @@ def test_an_exercise_inside_an_episode_asks_about_the_newest_picture_after_the_e
         for got, expected in zip(images, pictures + message_images(look)):
             np.testing.assert_array_equal(got, expected)
         np.testing.assert_array_equal(images[-1], render_image(env.maze, env.pos, env.visited))
+
+
+@pytest.mark.parametrize("read", [True, False])
+def test_a_demonstrated_reply_is_the_oracles_move_after_the_reading_of_its_four_neighbours(vlm_chat, read):
+    """Play each demonstration's replies back in a fresh image maze, as the environment reads them:
+    each is the first move of a shortest path from where the agent stands (the digits passed over,
+    so the episode solves the maze in the fewest moves), and with `read` its four digits before a
+    space say of up, down, left and right what the text maze's lines say: 0 not open, 1 open onto
+    the trail, 2 open onto a cell not visited yet."""
+    from envs.maze import MOVES, parse_move, shortest_path
+
+    env, replay = ImageMazeEnv(), ImageMazeEnv()
+    stop, seen = vlm_chat.stop_ids[0], set()
+    for seed in range(20):
+        tokens, mask, _ = demonstration(env, vlm_chat, seed, noise=0.0, read=read)
+        replay.reset(seed=seed)
+        replies = [[]]
+        for t, m in zip(tokens, mask):
+            if m:
+                replies[-1].append(t)
+            elif replies[-1]:
+                replies.append([])
+        assert len(replies) == len(shortest_path(replay.maze))
+        for reply in replies:
+            assert reply[-1] == stop and stop not in reply[:-1]
+            text = vlm_chat.decode(reply[:-1])
+            move = parse_move(text)
+            assert move == shortest_path(replay.maze, replay.pos)[0]
+            if read:
+                digits, space, word = text.partition(" ")
+                assert space and word == move and len(digits) == 4
+                lines = dict(line.split(": ") for line in replay.hint_lines().splitlines())
+                for digit, name in zip(digits, MOVES):
+                    assert (digit != "0") == (name in lines["open"].split())
+                    assert (digit == "2") == (name in lines["new"].split())
+                seen.update(digits)
+            else:
+                assert text == move
+            _, reward, terminated, _, _ = replay.step(text)
+        assert terminated and reward == 1.0
+    assert seen == ({"0", "1", "2"} if read else set())
 
 
 def test_exact_replies_count_a_reply_only_when_every_token_is_the_models_first_choice(tiny_vlm, vlm_chat):
