@@ -33,15 +33,15 @@ Design decisions:
   text `look`, and as the reply the text maze's goal / open / new lines for that state (what the
   picture shows, in words), until greedy replies are exactly right on `perception_target` of a
   validation set of pictures. The demonstrations follow, and stop in the same 35-55% band.
-- An image-maze reply reads the picture before it moves: four digits, one for each move in the
-  order up, down, left, right (0: a wall or the edge, 1: open onto a cell of the trail, 2: open onto
-  a new cell), a space, then the move: `2012 right`. The environment reads the first direction
-  word of a reply and passes over digits, so the task and its rules are unchanged; what changes is
-  that the policy samples its move after writing what it sees of its four neighbours, the way a
-  model that thinks before it answers does. A reply that is the move alone left the reading learned
-  in the perception stage out of the move: after GRPO, 15-31% of the greedy moves still bumped into
-  a wall and a fifth to a half of the moves after a bump repeated it (docs/vision.md). The reading
-  costs five tokens a turn (seven with the move and the stop token, inside the actors' eight).
+- An option (`read_first`, off): an image-maze reply that reads the picture before it moves, four
+  digits, one for each move in the order up, down, left, right (0: a wall or the edge, 1: open onto
+  a cell of the trail, 2: open onto a new cell), a space, then the move: `2012 right`. The
+  environment reads the first direction word of a reply and passes over digits, so the task is
+  unchanged; the policy would sample its move after writing what it sees of its neighbours. Seven
+  tokens a turn with the stop token, inside the actors' eight. Not the default: in the one build
+  measured the demonstrations reached the band in 10 steps, before the policy wrote the digits
+  (24 of 627 greedy replies had them; still wrong when written) and the run from it lost to the
+  defaults (docs/vision.md, "A reply that reads before it moves").
 - Deterministic given `seed`: one torch seed, one seed range of mazes.
 """
 
@@ -88,9 +88,10 @@ class WarmstartConfig:
     """Validation mazes."""
     target: float = 0.40
     """Stop once greedy validation success reaches this."""
-    read_first: bool = True
+    read_first: bool = False
     """Image maze: each demonstrated reply writes its reading of the four neighbouring cells before
-    its move (`reading`, e.g. `2012 right`); False: the move alone."""
+    its move (`reading`, e.g. `2012 right`), the episodes of the perception stage too; False (the
+    built-in `builtin:vlm`): the move alone."""
     noise: float = 0.0
     """Probability of an off-policy (random, unmasked) move in a demonstration. Off by
     default: at 0.2 the build took 80 steps instead of 40 and the greedy failures were
