@@ -170,7 +170,8 @@ def demonstration(env, chat, seed: int, noise: float, read: bool = False) -> tup
     return tokens, mask, images
 
 
-def description(env, chat, seed: int, in_episode: bool = False, read: bool = False) -> tuple[list[int], list[int], list]:
+def description(env, chat, seed: int, in_episode: bool = False,
+                read: bool = False) -> tuple[list[int], list[int], list]:
     """One perception exercise of the image maze as (tokens, loss mask, images): the picture of
     the maze `env.reset(seed=seed)` after up to `max_steps // 2` random moves (so pictures show
     trails, and the agent anywhere), under the user text `LOOK`; the reply (loss mask 1) is the
