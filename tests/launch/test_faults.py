@@ -110,12 +110,24 @@ def finish(proc: subprocess.Popen, seen: str = "") -> str:
     return out
 
 
-def dropped_counted(points: list) -> float:
-    """The stale drops counted in TensorBoard, over every replay process (a restarted one counts from 0)."""
-    total, last = 0.0, 0.0
-    for _, value in points:
-        total += value - last if value >= last else value
-        last = value
+def dropped_counted(logdir: Path) -> float:
+    """The stale drops counted in TensorBoard, over every replay process. Each job (a first run, a
+    resume) writes its own events file and its replay process counts from 0; one restarted inside a
+    job counts from 0 again. Read job by job: a resumed job that drops as many stale groups as the
+    job before it counted shows the same value at its first step, and a series merged over the jobs
+    would read that as nothing new."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    total = 0.0
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        if "replay/dropped_stale" not in acc.Tags()["scalars"]:
+            continue
+        last = 0.0
+        for event in sorted(acc.Scalars("replay/dropped_stale"), key=lambda e: e.step):
+            total += event.value - last if event.value >= last else event.value
+            last = event.value
     return total
 
 
@@ -145,7 +157,7 @@ def audit(logdir: Path, count_drops: bool = True) -> dict:
     dropped, buffered = untrained & log["dropped"], untrained - log["dropped"]
     assert not log["dropped"] & set(log["trained"])
     if count_drops:
-        assert len(dropped) <= dropped_counted(scalars.get("replay/dropped_stale", [])), "a drop not counted"
+        assert len(dropped) <= dropped_counted(logdir), "a drop not counted"
     return {"trained": len(log["trained"]), "dropped": len(dropped), "buffered": len(buffered), "scalars": scalars}
 
 
