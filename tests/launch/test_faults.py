@@ -116,18 +116,12 @@ def dropped_counted(logdir: Path) -> float:
     job counts from 0 again. Read job by job: a resumed job that drops as many stale groups as the
     job before it counted shows the same value at its first step, and a series merged over the jobs
     would read that as nothing new."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     total = 0.0
     for path in sorted(logdir.glob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-        acc.Reload()
-        if "replay/dropped_stale" not in acc.Tags()["scalars"]:
-            continue
         last = 0.0
-        for event in sorted(acc.Scalars("replay/dropped_stale"), key=lambda e: e.step):
-            total += event.value - last if event.value >= last else event.value
-            last = event.value
+        for _, value in read_scalars(str(path)).get("replay/dropped_stale", []):
+            total += value - last if value >= last else value
+            last = value
     return total
 
 
