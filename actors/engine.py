@@ -99,13 +99,17 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  sessions: list[Hashable] | None = None,
                  seeds: list[int | None] | None = None,
-                 images: list[list] | None = None) -> list[Completion]:
+                 images: list[list] | None = None,
+                 greedy: list[bool] | None = None) -> list[Completion]:
         """Sample one completion per prompt. `sessions` names the episode of each prompt so
         an engine may reuse work across turns; prompts of a session only ever grow. `seeds`
         gives each prompt's request seed: its completion is then a function of (engine seed,
         request seed, prompt, weights) whatever else is in the batch; None (for all, or for
         one prompt) draws from the engine's generator, which the batch shares. `images`: each
-        prompt's images (uint8 H×W×3), in the order of their expanded tokens in the prompt."""
+        prompt's images (uint8 H×W×3), in the order of their expanded tokens in the prompt.
+        `greedy` flags prompts to decode greedily inside a sampled batch: each token the most
+        probable, its log-prob under the temperature's distribution (a greedy play GRPO can score
+        beside the sampled ones)."""
         ...
 
     def load_adapter(self, version: int, tensors: dict) -> None:

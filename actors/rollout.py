@@ -85,6 +85,9 @@ class Episode:
     outcome: float = 0.0
     """The environment's rewards summed, undiscounted: what the episode achieved, whatever its
     length (equal to `reward` when `discount` is 1)."""
+    greedy: bool = False
+    """Played greedily: every token the policy's most probable, with its log-prob at the
+    sampling temperature (`start`)."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -117,12 +120,12 @@ class Episode:
 
 def start(env: TextEnv, chat, runner: EnvRunner, seed: int | None = None,
           options: dict[str, Any] | None = None, version: int = 0,
-          sampling_seed: int | None = None, discount: float = 1.0) -> Episode:
+          sampling_seed: int | None = None, discount: float = 1.0, greedy: bool = False) -> Episode:
     """A new episode of `env`; its reset (with `seed` and `options`) runs on `runner` and `turn`
     picks up the prompt. `sampling_seed` names the episode's random stream, `discount` the γ of
-    its return (`Episode`)."""
+    its return, `greedy` whether it is played greedily (`Episode`)."""
     ep = Episode(env=env, tokens=[], version=version, busy=True, sampling_seed=sampling_seed,
-                 discount=discount)
+                 discount=discount, greedy=greedy)
     runner.submit(ep.session, _reset, env, seed, options)
     return ep
 
@@ -159,9 +162,11 @@ def turn(engine: Engine, chat, episodes: list[Episode], params: SamplingParams, 
     ready = [e for e in episodes if e.finish_reason is None and not e.busy]
     if ready:
         # images only when some episode has any: a text engine needs no images argument
-        pictures = {"images": [e.images for e in ready]} if any(e.images for e in ready) else {}
+        extra = {"images": [e.images for e in ready]} if any(e.images for e in ready) else {}
+        if any(e.greedy for e in ready):  # an engine that plays no greedy rows needs no flags
+            extra["greedy"] = [e.greedy for e in ready]
         outs = engine.generate([e.tokens for e in ready], params, sessions=[e.session for e in ready],
-                               seeds=[e.request_seed() for e in ready], **pictures)
+                               seeds=[e.request_seed() for e in ready], **extra)
         for ep, out in zip(ready, outs):
             _generated(ep, out, engine.version, chat, runner)
         # Fast environments answer within the grace period and keep the batch together;

@@ -129,7 +129,8 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  sessions: list[Hashable] | None = None,
                  seeds: list[int | None] | None = None,
-                 images: list[list] | None = None) -> list[Completion]:
+                 images: list[list] | None = None,
+                 greedy: list[bool] | None = None) -> list[Completion]:
         torch = self.torch
         if not prompts:
             return []
@@ -137,6 +138,8 @@ class TorchEngine:
             raise ValueError(f"generate: one seed per prompt, got {len(seeds)} for {len(prompts)}")
         if images is not None and len(images) != len(prompts):
             raise ValueError(f"generate: one list of images per prompt, got {len(images)} for {len(prompts)}")
+        if greedy is not None and len(greedy) != len(prompts):
+            raise ValueError(f"generate: one greedy flag per prompt, got {len(greedy)} for {len(prompts)}")
         if images is not None and any(images) and self.scheme is None:
             raise ValueError("generate: this model is a text model and cannot see images")
         # Each seeded row's own key: its t-th token is sampled at unit_uniform(key + t).
@@ -148,7 +151,8 @@ class TorchEngine:
             outs = [Completion([], [], False) for _ in range(n)]
             done = [False] * n
             for t in range(params.max_new_tokens):
-                tokens, logps = self._sample(logits, params.temperature, keys, t, params.top_k, params.top_p)
+                tokens, logps = self._sample(logits, params.temperature, keys, t, params.top_k, params.top_p,
+                                             greedy)
                 step: list[list[int]] = []
                 for i in range(n):
                     if done[i]:
@@ -165,11 +169,12 @@ class TorchEngine:
             return outs
 
     def _sample(self, logits, temperature: float, keys: list[int | None], t: int, top_k: int = 0,
-                top_p: float = 1.0) -> tuple[list[int], list[float]]:
+                top_p: float = 1.0, greedy: list[bool] | None = None) -> tuple[list[int], list[float]]:
         """The t-th token of every row: greedy, or by inverse CDF at one uniform per row, hashed
         from the row's key (seeded rows) or drawn from the engine's generator (the others). With
         `top_k` / `top_p` the distribution sampled, and the log-probs returned, are the truncated
-        one renormalised (the tokens outside it have probability zero)."""
+        one renormalised (the tokens outside it have probability zero). The rows `greedy` flags
+        take their most probable token and its log-prob under that same distribution."""
         torch = self.torch
         logits = logits.float()
         if self._banned:
@@ -185,6 +190,9 @@ class TorchEngine:
             # probability 0 (an empty interval) is never chosen
             tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
             tokens = tokens.clamp_(max=logits.shape[-1] - 1)
+            if greedy is not None and any(greedy):
+                rows = torch.tensor(greedy, dtype=torch.bool, device=tokens.device)
+                tokens = torch.where(rows, logp.argmax(-1), tokens)
         chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
         return tokens.tolist(), chosen.tolist()
 

@@ -115,6 +115,31 @@ def test_sampling_follows_the_distribution_it_records(tiny_model, chat):
         assert abs(o.logprobs[0] - probs[o.tokens[0]].log().item()) < 1e-4
 
 
+def test_greedy_rows_in_a_sampled_batch_take_the_argmax_and_its_sampled_log_prob(tiny_model, chat):
+    """--actor.greedy-plays: rows flagged greedy inside a batch sampled at 0.7 write what a greedy
+    call writes, token for token, and record each token's log-prob at 0.7, as the learner scores
+    it; the rows beside them are sampled as they would be without the flags."""
+    engine = perturbed_engine(tiny_model)
+    params = SamplingParams(6, chat.stop_ids, temperature=0.7)
+    prompts = [chat.prompt_ids([{"role": "user", "content": t}]) for t in ["hello", "start\n@.#\n#.G", "hello"]]
+    greedy = [engine.generate([p], SamplingParams(6, chat.stop_ids, temperature=0.0))[0] for p in prompts]
+    plain = engine.generate(prompts, params, sessions=["p0", "p1", "p2"], seeds=[0, 1, 2])
+    mixed = engine.generate(prompts, params, sessions=["m0", "m1", "m2"], seeds=[0, 1, 2],
+                            greedy=[True, False, True])
+    for i in (0, 2):
+        assert mixed[i].tokens == greedy[i].tokens
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([prompts[i] + mixed[i].tokens])).logits[0]
+        logp = torch.log_softmax(logits / 0.7, -1)
+        want = [logp[len(prompts[i]) - 1 + j, t].item() for j, t in enumerate(mixed[i].tokens)]
+        torch.testing.assert_close(mixed[i].logprobs, want, atol=1e-4, rtol=0)
+    assert mixed[1].tokens == plain[1].tokens
+    assert plain[0].tokens != greedy[0].tokens or plain[2].tokens != greedy[2].tokens, \
+        "the sampled rows happened to write the greedy replies: the test cannot tell them apart"
+    with pytest.raises(ValueError, match="one greedy flag per prompt"):
+        engine.generate(prompts, params, greedy=[True])
+
+
 def test_unknown_engine_is_a_clear_error(tiny_model):
     import pytest
 
