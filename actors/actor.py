@@ -81,11 +81,11 @@ class ActorConfig:
     group by what its episodes achieved (the rewards undiscounted), so a group whose episodes all
     succeed, in whatever numbers of turns, is still dropped and the discount ranks the episodes
     of the groups kept; evaluation reports the environment's own rewards."""
-    greedy_plays: int = 0
-    """Episodes of each group played greedily (each token the policy's most probable) beside the
-    sampled ones, their log-probs taken at --actor.temperature like theirs: a task the sampling
-    policy solves every time but the greedy one loops on (the policy evaluation scores) then
-    gives a group whose rewards differ, and GRPO pushes down the very moves greedy took. 0: every
+    greedy_play: bool = False
+    """Play one episode of each group greedily (each token the policy's most probable) beside
+    the sampled ones, its log-probs taken at --actor.temperature like theirs: a task the sampling
+    policy solves every time but the greedy one fails (the policy evaluation scores) then gives
+    a group whose rewards differ, and GRPO pushes down the very tokens greedy chose. Off: every
     episode sampled. Torch engine only."""
     groups_in_flight: int = 0
     """Groups each actor plays concurrently (its batch is about this × group_size episodes). 0
@@ -231,11 +231,8 @@ class ActorConfig:
             raise ValueError(f"--actor.turn-discount is a γ in (0, 1], got {self.turn_discount:g}")
         if self.group_size < 2:
             raise ValueError(f"--actor.group-size must be at least 2 (GRPO compares samples), got {self.group_size}")
-        if not 0 <= self.greedy_plays < self.group_size:
-            raise ValueError(f"--actor.greedy-plays must be in [0, --actor.group-size), got {self.greedy_plays} "
-                             f"with groups of {self.group_size}")
-        if self.greedy_plays and self.engine != "torch":
-            raise ValueError(f"--actor.greedy-plays needs the torch engine, which decodes greedy rows inside a "
+        if self.greedy_play and self.engine != "torch":
+            raise ValueError(f"--actor.greedy-play needs the torch engine, which decodes greedy rows inside a "
                              f"sampled batch; --actor.engine {self.engine} cannot")
         if self.groups_in_flight < 0:
             raise ValueError(f"--actor.groups-in-flight must be 0 (scaled from the GPUs) or more, got "
@@ -395,7 +392,7 @@ class Actor:
         episodes = [start(self.make_env(), self.chat, self.runner, seed=seed, options=options,
                           version=self.engine.version,
                           sampling_seed=stream_seed(self.seed, n, j) if self.seeded else None,
-                          discount=self.cfg.turn_discount, greedy=j < self.cfg.greedy_plays)
+                          discount=self.cfg.turn_discount, greedy=self.cfg.greedy_play and j == 0)
                     for j in range(self.cfg.group_size)]
         return _Live(uuid.uuid4().hex, seed, f"seed={seed}", episodes, time.perf_counter())
 

@@ -261,3 +261,43 @@ def test_an_actor_lends_its_engine_between_its_groups_and_plays_on(tiny_model, c
     assert borrowed == evaluate(fresh, chat, lambda: make_env("maze"), tasks, 4, 512)
     with pytest.raises(RuntimeError, match="actor-0 has stopped: it has no engine to lend"):
         actor.lend(play)
+
+
+def test_a_group_with_a_greedy_play_holds_the_episode_evaluation_would_play(tiny_model, chat):
+    """Run as a user would with --actor.greedy-play: the first episode of every group pushed is the
+    greedy play of the group's maze, token for token (what evaluation plays), with each token's
+    log-prob at the sampling temperature, and the other episodes are sampled."""
+    from actors.envrunner import EnvRunner
+    from actors.rollout import play, start
+
+    engine = TorchEngine(tiny_model, LORA, seed=5)
+    buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
+    publisher = WeightPublisher()
+    subscriber = WeightSubscriber(publisher.endpoints)
+    cfg = ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=6, temperature=0.7, greedy_play=True)
+    actor = Actor(cfg, "actor-0", engine, chat, lambda: make_env("maze"), LocalReplay(buffer, actor="actor-0"),
+                  subscriber, seed=3)
+    try:
+        publisher.publish(random_adapter(engine, version=0, scale=0.0))
+        actor.run(threading.Event(), max_groups=4)
+    finally:
+        actor.runner.close()
+        subscriber.close()
+        publisher.close()
+    groups = [decode_group(e.blob) for e in buffer.queue]
+    assert len(groups) == 4
+    runner = EnvRunner(threads=2)
+    try:
+        for g in groups:
+            seed = int(g.task.removeprefix("seed="))
+            ep = start(make_env("maze"), chat, runner, seed=seed, options={"policy_version": 0})
+            play(engine, chat, [ep], SamplingParams(6, chat.stop_ids, temperature=0.0), cfg.max_tokens, runner)
+            first, *sampled = g.trajectories
+            assert first.tokens.tolist() == ep.tokens and first.reward == ep.reward
+            moves = first.mask.astype(bool)
+            assert (first.logprobs[moves] < 0).all(), "log-probs at 0.7, not of a distribution made one-hot"
+            assert any(t.tokens.tolist() != ep.tokens for t in sampled)
+    finally:
+        runner.close()
+    with pytest.raises(ValueError, match="needs the torch engine"):
+        ActorConfig(engine="vllm", greedy_play=True)

@@ -116,7 +116,7 @@ def test_sampling_follows_the_distribution_it_records(tiny_model, chat):
 
 
 def test_greedy_rows_in_a_sampled_batch_take_the_argmax_and_its_sampled_log_prob(tiny_model, chat):
-    """--actor.greedy-plays: rows flagged greedy inside a batch sampled at 0.7 write what a greedy
+    """--actor.greedy-play: rows flagged greedy inside a batch sampled at 0.7 write what a greedy
     call writes, token for token, and record each token's log-prob at 0.7, as the learner scores
     it; the rows beside them are sampled as they would be without the flags."""
     engine = perturbed_engine(tiny_model)
