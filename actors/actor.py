@@ -43,7 +43,7 @@ from envs.base import TextEnv
 from policy.choices import check_choices
 from replay.client import ActorReplay, ReplayUnavailable
 from weights.subscriber import WeightSource
-from replay.wire import OUTCOME_SPREAD, Group
+from replay.wire import GREEDY_PLAYS, OUTCOME_SPREAD, Group
 
 log = logging.getLogger("tandem.actor")
 
@@ -403,8 +403,10 @@ class Actor:
             if e.error:
                 log.warning("%s: environment error in an episode (%s): %s", self.name, g.task, e.error)
         outcomes = [e.outcome for e in g.episodes]
-        group = Group(g.group_id, g.task, trajs, actor=self.name,
-                      meta={"gen_s": time.perf_counter() - g.started, OUTCOME_SPREAD: float(np.ptp(outcomes))})
+        meta = {"gen_s": time.perf_counter() - g.started, OUTCOME_SPREAD: float(np.ptp(outcomes))}
+        if self.cfg.greedy_play:
+            meta[GREEDY_PLAYS] = 1.0
+        group = Group(g.group_id, g.task, trajs, actor=self.name, meta=meta)
         self.replay.send(group)  # acknowledged later; resent until it is
         # Under a turn discount the returns of a group differ with its episodes' lengths; whether
         # the task has something to teach is a matter of what they achieved.
@@ -418,6 +420,9 @@ class Actor:
             self._finish.update(t.finish_reason for t in trajs)
             for e in g.episodes:
                 self._count_info(e.info)
+            if self.cfg.greedy_play:
+                self._stats["greedy_plays"] += 1
+                self._stats["greedy_outcome_sum"] += g.episodes[0].outcome
             self._sample = (g.task, min(e.version for e in g.episodes),
                             [(e.reward, e.finish_reason, list(e.tokens)) for e in g.episodes[:SAMPLE_EPISODES]])
 

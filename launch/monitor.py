@@ -202,28 +202,36 @@ def replay_scalars(stats: dict) -> dict[str, float]:
 class InfoMeans:
     """The mean of each numeric `info` key the environments returned, over the episodes finished
     since the last call: `env/<key>` scalars from the actors' cumulative `info_sum/` and `info_n/`
-    counters (actors/actor.py)."""
+    counters (actors/actor.py); with --actor.greedy-play also `rollout/greedy_outcome`, what the
+    greedy plays achieved (their environments' rewards summed) on the tasks played since the last
+    call: the greedy policy's score on fresh training tasks, beside evaluation's on its fixed set."""
 
     def __init__(self) -> None:
         self.seen: dict[str, tuple[float, float]] = {}
 
     def scalars(self, stats: list[dict]) -> dict[str, float]:
-        totals: dict[str, list[float]] = {}
+        totals: dict[str, list[float]] = {}  # tag -> [sum, count] over the actors
+
+        def add(tag: str, total, n) -> None:
+            acc = totals.setdefault(tag, [0.0, 0.0])
+            acc[0] += float(total)
+            acc[1] += float(n)
+
         for s in stats:
             for k, v in s.items():
                 if k.startswith("info_sum/"):
                     key = k[len("info_sum/"):]
-                    acc = totals.setdefault(key, [0.0, 0.0])
-                    acc[0] += float(v)
-                    acc[1] += float(s.get(f"info_n/{key}", 0))
+                    add(f"env/{key}", v, s.get(f"info_n/{key}", 0))
+            if s.get("greedy_plays"):
+                add("rollout/greedy_outcome", s.get("greedy_outcome_sum", 0.0), s["greedy_plays"])
         out = {}
-        for key, (total, n) in totals.items():
-            before_total, before_n = self.seen.get(key, (0.0, 0.0))
+        for tag, (total, n) in totals.items():
+            before_total, before_n = self.seen.get(tag, (0.0, 0.0))
             if n < before_n:  # a restarted actor's counters went back: start again from here
                 before_total, before_n = 0.0, 0.0
             if n > before_n:
-                out[f"env/{key}"] = (total - before_total) / (n - before_n)
-            self.seen[key] = (total, n)
+                out[tag] = (total - before_total) / (n - before_n)
+            self.seen[tag] = (total, n)
         return out
 
 

@@ -114,6 +114,9 @@ OUTCOME_SPREAD = "outcome_spread"
 """Key of `Group.meta`: max − min of what the group's episodes achieved (their environments'
 rewards undiscounted), which actors send beside the rewards (their returns, discounted under
 --actor.turn-discount)."""
+GREEDY_PLAYS = "greedy_plays"
+"""Key of `Group.meta`: how many of the group's first trajectories were played greedily
+(--actor.greedy-play: the first one); absent when none was."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from envs import make_env
 from policy.load import LoraSpec
 from replay.buffer import ReplayBuffer
 from replay.client import LocalReplay
-from replay.wire import decode_group
+from replay.wire import GREEDY_PLAYS, decode_group
 from policy.adapter import Adapter
 from weights.chunks import decode_adapter, encode_adapter
 from weights.publisher import WeightPublisher
@@ -285,7 +285,10 @@ def test_a_group_with_a_greedy_play_holds_the_episode_evaluation_would_play(tiny
         subscriber.close()
         publisher.close()
     groups = [decode_group(e.blob) for e in buffer.queue]
-    assert len(groups) == 4
+    assert len(groups) == 4 and all(g.meta[GREEDY_PLAYS] == 1.0 for g in groups)
+    stats = actor.stats()
+    assert stats["greedy_plays"] == 4
+    assert stats["greedy_outcome_sum"] == pytest.approx(sum(g.trajectories[0].reward for g in groups))
     runner = EnvRunner(threads=2)
     try:
         for g in groups:

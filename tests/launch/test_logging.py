@@ -74,6 +74,16 @@ def test_info_means_over_actors_and_a_restart():
     assert means.scalars([{"info_sum/x": 1.0, "info_n/x": 1}]) == {"env/x": 1.0}  # counters went back: afresh
 
 
+def test_greedy_plays_become_the_greedy_policys_mean_over_the_tasks_since_the_last_step():
+    """--actor.greedy-play: what the greedy plays achieved on the groups pushed since the last
+    step, over the actors, as `rollout/greedy_outcome`; actors without greedy plays add nothing."""
+    means = InfoMeans()
+    assert means.scalars([{"groups": 3}]) == {}
+    a, b = {"greedy_plays": 4, "greedy_outcome_sum": 3.0}, {"greedy_plays": 1, "greedy_outcome_sum": 0.0}
+    assert means.scalars([a, b]) == {"rollout/greedy_outcome": 0.6}
+    assert means.scalars([{"greedy_plays": 6, "greedy_outcome_sum": 5.0}, b]) == {"rollout/greedy_outcome": 1.0}
+
+
 def test_the_board_writes_sample_text_to_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
