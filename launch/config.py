@@ -33,8 +33,8 @@ applies: GRPO or RLOO in the asynchronous mode), half of an actor's groups on ta
 differed before (--actor.revisit 0.5) and an entropy bonus of 0.01 (--learner.entropy-coef). Near
 the image maze's plateau most groups of 8 are all solved and the policy's entropy collapses:
 docs/vision.md measures 75-83% on image-maze-64 with the global defaults, 85-97% with the first
-two (95% or more within 30 minutes in two runs of ten) and 89-98% with all four (in three runs of
-nine)."""
+two (95% or more within 30 minutes in two runs of ten) and 89-98% with all four (in four runs of
+eleven)."""
 
 
 def drops_apply(algo: str, colocate: bool) -> bool:
