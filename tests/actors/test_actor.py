@@ -31,6 +31,24 @@ def random_adapter(engine, version, scale=0.5, seed=0):
     return Adapter(version, "tiny", LORA.to_dict(), tensors)
 
 
+def play_groups(engine, chat, cfg: ActorConfig, make_env, max_groups: int, seed: int):
+    """An actor with `cfg` plays `max_groups` groups into a replay buffer, the adapter of version 0
+    (zeros: the bare model) arriving over the weight channel; returns the groups pushed, as the
+    learner would decode them, and the actor's stats."""
+    buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
+    publisher = WeightPublisher()
+    subscriber = WeightSubscriber(publisher.endpoints)
+    actor = Actor(cfg, "actor-0", engine, chat, make_env, LocalReplay(buffer, actor="actor-0"), subscriber, seed=seed)
+    try:
+        publisher.publish(random_adapter(engine, version=0, scale=0.0))
+        actor.run(threading.Event(), max_groups=max_groups)
+    finally:
+        actor.runner.close()
+        subscriber.close()
+        publisher.close()
+    return [decode_group(e.blob) for e in buffer.queue], actor.stats()
+
+
 def test_adapter_frames_round_trip_as_safetensors():
     tensors = {"a.lora_A.weight": torch.arange(6.0).reshape(2, 3)}
     back = decode_adapter(encode_adapter(Adapter(3, "base", {"r": 4}, tensors)))
@@ -271,22 +289,9 @@ def test_a_group_with_a_greedy_play_holds_the_episode_evaluation_would_play(tiny
     from actors.rollout import play, start
 
     engine = TorchEngine(tiny_model, LORA, seed=5)
-    buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
-    publisher = WeightPublisher()
-    subscriber = WeightSubscriber(publisher.endpoints)
     cfg = ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=6, temperature=0.7, greedy_play=True)
-    actor = Actor(cfg, "actor-0", engine, chat, lambda: make_env("maze"), LocalReplay(buffer, actor="actor-0"),
-                  subscriber, seed=3)
-    try:
-        publisher.publish(random_adapter(engine, version=0, scale=0.0))
-        actor.run(threading.Event(), max_groups=4)
-    finally:
-        actor.runner.close()
-        subscriber.close()
-        publisher.close()
-    groups = [decode_group(e.blob) for e in buffer.queue]
+    groups, stats = play_groups(engine, chat, cfg, lambda: make_env("maze"), max_groups=4, seed=3)
     assert len(groups) == 4 and all(g.meta[GREEDY_PLAYS] == 1.0 for g in groups)
-    stats = actor.stats()
     assert stats["greedy_plays"] == 4
     assert stats["greedy_outcome_sum"] == pytest.approx(sum(g.trajectories[0].reward for g in groups))
     runner = EnvRunner(threads=2)

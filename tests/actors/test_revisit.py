@@ -1,20 +1,13 @@
 """--actor.revisit: an actor starts a share of its groups on tasks whose last group was mixed."""
 
-import threading
-
 import numpy as np
 import pytest
 
-from actors.actor import Actor, ActorConfig
+from actors.actor import ActorConfig
 from actors.revisit import Revisits
 from actors.torch_engine import TorchEngine
 from envs.base import TextEnv
-from replay.buffer import ReplayBuffer
-from replay.client import LocalReplay
-from replay.wire import decode_group
-from tests.actors.test_actor import LORA, random_adapter
-from weights.publisher import WeightPublisher
-from weights.subscriber import WeightSubscriber
+from tests.actors.test_actor import LORA, play_groups
 
 
 def test_the_pool_keeps_mixed_tasks_picks_by_spread_and_forgets_the_oldest():
@@ -65,20 +58,9 @@ class Coin(TextEnv):
 
 def play(tiny_model, chat, revisit: float, groups: int = 40):
     engine = TorchEngine(tiny_model, LORA, seed=3)
-    buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
-    publisher = WeightPublisher()
-    subscriber = WeightSubscriber(publisher.endpoints)
     cfg = ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=4, temperature=1.0, revisit=revisit,
                       revisit_pool=4)
-    actor = Actor(cfg, "actor-0", engine, chat, Coin, LocalReplay(buffer, actor="actor-0"), subscriber, seed=1)
-    try:
-        publisher.publish(random_adapter(engine, version=0, scale=0.0))
-        actor.run(threading.Event(), max_groups=groups)
-    finally:
-        actor.runner.close()
-        subscriber.close()
-        publisher.close()
-    return [decode_group(e.blob) for e in buffer.queue], actor.stats()
+    return play_groups(engine, chat, cfg, Coin, max_groups=groups, seed=1)
 
 
 def test_an_actor_revisits_only_tasks_whose_last_group_was_mixed(tiny_model, chat):

@@ -1,20 +1,14 @@
 """--actor.turn-discount: the return a trajectory is trained on discounts each turn's reward by γ^t;
 what the episodes achieved (undiscounted) goes beside it, for the replay's drop and revisits."""
 
-import threading
-
 import numpy as np
 import pytest
 
-from actors.actor import Actor, ActorConfig
+from actors.actor import ActorConfig
 from actors.torch_engine import TorchEngine
 from envs.base import TextEnv
-from replay.buffer import ReplayBuffer
-from replay.client import LocalReplay
-from replay.wire import OUTCOME_SPREAD, decode_group
-from tests.actors.test_actor import LORA, random_adapter
-from weights.publisher import WeightPublisher
-from weights.subscriber import WeightSubscriber
+from replay.wire import OUTCOME_SPREAD
+from tests.actors.test_actor import LORA, play_groups
 
 MAX_TURNS = 4
 
@@ -45,19 +39,8 @@ def achieved(turns: int, finish: str) -> float:
 
 def play(tiny_model, chat, gamma: float):
     engine = TorchEngine(tiny_model, LORA, seed=5)
-    buffer = ReplayBuffer(groups_per_step=2, max_staleness=100)
-    publisher = WeightPublisher()
-    subscriber = WeightSubscriber(publisher.endpoints)
     cfg = ActorConfig(group_size=4, groups_in_flight=2, max_new_tokens=4, temperature=1.0, turn_discount=gamma)
-    actor = Actor(cfg, "actor-0", engine, chat, Steps, LocalReplay(buffer, actor="actor-0"), subscriber, seed=2)
-    try:
-        publisher.publish(random_adapter(engine, version=0, scale=0.0))
-        actor.run(threading.Event(), max_groups=12)
-    finally:
-        actor.runner.close()
-        subscriber.close()
-        publisher.close()
-    return [decode_group(e.blob) for e in buffer.queue]
+    return play_groups(engine, chat, cfg, Steps, max_groups=12, seed=2)[0]
 
 
 @pytest.mark.parametrize("gamma", [0.5, 1.0])
