@@ -150,9 +150,12 @@ class TorchEngine:
             n = len(prompts)
             outs = [Completion([], [], False) for _ in range(n)]
             done = [False] * n
+            # [B] bool, built once for the call: the rows that take their argmax (None: no such row)
+            greedy_rows = (torch.tensor(greedy, dtype=torch.bool, device=self.device)
+                           if greedy is not None and any(greedy) else None)
             for t in range(params.max_new_tokens):
                 tokens, logps = self._sample(logits, params.temperature, keys, t, params.top_k, params.top_p,
-                                             greedy)
+                                             greedy_rows)
                 step: list[list[int]] = []
                 for i in range(n):
                     if done[i]:
@@ -169,12 +172,13 @@ class TorchEngine:
             return outs
 
     def _sample(self, logits, temperature: float, keys: list[int | None], t: int, top_k: int = 0,
-                top_p: float = 1.0, greedy: list[bool] | None = None) -> tuple[list[int], list[float]]:
+                top_p: float = 1.0, greedy_rows=None) -> tuple[list[int], list[float]]:
         """The t-th token of every row: greedy, or by inverse CDF at one uniform per row, hashed
         from the row's key (seeded rows) or drawn from the engine's generator (the others). With
         `top_k` / `top_p` the distribution sampled, and the log-probs returned, are the truncated
-        one renormalised (the tokens outside it have probability zero). The rows `greedy` flags
-        take their most probable token and its log-prob under that same distribution."""
+        one renormalised (the tokens outside it have probability zero). The rows `greedy_rows` (a
+        [B] bool tensor) flags take their most probable token and its log-prob under that same
+        distribution."""
         torch = self.torch
         logits = logits.float()
         if self._banned:
@@ -190,9 +194,8 @@ class TorchEngine:
             # probability 0 (an empty interval) is never chosen
             tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
             tokens = tokens.clamp_(max=logits.shape[-1] - 1)
-            if greedy is not None and any(greedy):
-                rows = torch.tensor(greedy, dtype=torch.bool, device=tokens.device)
-                tokens = torch.where(rows, logp.argmax(-1), tokens)
+            if greedy_rows is not None:
+                tokens = torch.where(greedy_rows, logp.argmax(-1), tokens)
         chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
         return tokens.tolist(), chosen.tolist()
 
