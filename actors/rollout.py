@@ -10,8 +10,10 @@ is back, so nothing waits for the rest of the batch. What the learner needs is
 recorded as it happens: token ids, the behaviour log-prob of every sampled token,
 the loss mask (1 on model tokens, 0 on prompt and observation tokens) and the
 policy version that produced each model token, and the episode's images (in the
-order of their tokens, which the chat expands: image tokens have mask 0). The
-learner trains on exactly these tokens and images; nothing is re-tokenised. A turn cut by `max_new_tokens` is closed
+order of their tokens, which the chat expands: image tokens have mask 0), and each
+model turn's state and reward (`anchor`: the environment's `info["state"]`, else the
+observation the turn answered), for estimators that compare the turns played from the
+same state. The learner trains on exactly these tokens and images; nothing is re-tokenised. A turn cut by `max_new_tokens` is closed
 with the template's end-of-turn token (mask 0) before its observation.
 
 `between_turns` is called before every turn: the actor uses it to apply a newer
@@ -37,6 +39,7 @@ something malformed or runs past its limit ends that episode with finish reason
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +49,7 @@ import numpy as np
 
 from actors.engine import Engine, RequestEngine, SamplingParams, stream_seed
 from actors.envrunner import EnvRunner
-from envs.base import TextEnv
+from envs.base import STATE, TextEnv, checked_info
 from envs.tools import ToolCall, ToolTurn
 from policy.chat import message_images
 from replay.wire import Trajectory
@@ -88,6 +91,12 @@ class Episode:
     greedy: bool = False
     """Played greedily: every token the policy's most probable, with its log-prob at the
     sampling temperature (`start`)."""
+    state: int = 0
+    """The anchor of the state the next turn is played from (`anchor`)."""
+    anchors: list[int] = field(default_factory=list)
+    """Each model turn's anchor: the state it was played from."""
+    turn_rewards: list[float] = field(default_factory=list)
+    """Each model turn's reward from the environment, undiscounted."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -112,10 +121,12 @@ class Episode:
         # An episode its environment broke is recorded and counted, but not trained on: its
         # reward says nothing about the model's actions.
         mask = np.zeros(len(self.mask), np.uint8) if self.finish_reason == "env_error" else self.mask
+        # A turn whose step broke has no reward: 0, and the turn is not trained on (above).
+        turn_rewards = self.turn_rewards + [0.0] * (self.turns - len(self.turn_rewards))
         return Trajectory(tokens=np.asarray(self.tokens, np.int32), logprobs=np.asarray(self.logprobs, np.float32),
                           mask=np.asarray(mask, np.uint8), versions=np.asarray(self.versions, np.int32),
                           reward=self.reward, turns=self.turns, finish_reason=self.finish_reason,
-                          images=list(self.images))
+                          images=list(self.images), anchors=list(self.anchors), turn_rewards=turn_rewards)
 
 
 def start(env: TextEnv, chat, runner: EnvRunner, seed: int | None = None,
@@ -205,6 +216,7 @@ def _generated(ep: Episode, out, version: int, chat, runner: EnvRunner) -> None:
     """Record a model turn (each token with the version that sampled it) and step the environment."""
     versions = out.versions if out.versions is not None else [version] * len(out.tokens)
     ep.append(out.tokens, trained=True, version=versions, logprobs=out.logprobs)
+    ep.anchors.append(ep.state)
     ep.turns += 1
     ep.busy = True
     ep.version = versions[-1] if versions else version
@@ -249,19 +261,35 @@ def _broken(ep: Episode, chat, error: BaseException) -> None:
 
 def _opened(ep: Episode, chat, result, params: SamplingParams, max_tokens: int) -> None:
     try:
-        messages, _ = result
+        messages, info = result
         declared = [t.schema() for t in ep.env.tools]
         if declared != chat.tools:
             raise ValueError(f"the environment declares the tools {_names(declared)} but the chat renders "
                              f"{_names(chat.tools)}: build the Chat with tools=[t.schema() for t in env.tools]")
         ids = chat.prompt_ids(messages)
+        images = message_images(messages)
+        ep.state = anchor(info, ids, images)
     except Exception as exc:  # a malformed return value is the environment's error
         _broken(ep, chat, exc)
         return
     ep.append(ids, trained=False, version=ep.version)
-    ep.images += message_images(messages)
+    ep.images += images
     if len(ids) + params.max_new_tokens > max_tokens:
         ep.finish_reason = "length"
+
+
+def anchor(info: Any, ids: list[int], images: list) -> int:
+    """A turn's state as a 63-bit key: the environment's `info["state"]` where it names one
+    (envs/base.py), else the observation as rendered (its token ids and its images' pixels)."""
+    state = checked_info(info).get(STATE) if isinstance(info, dict) else None
+    digest = hashlib.blake2b(digest_size=8)
+    if state is not None:
+        digest.update(b"state\0" + state.encode())
+    else:
+        digest.update(np.asarray(ids, np.int64).tobytes())
+        for image in images:
+            digest.update(np.ascontiguousarray(image).tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 def _names(tools: list[dict]) -> list:
@@ -274,11 +302,15 @@ def _stepped(ep: Episode, chat, result, params: SamplingParams, max_tokens: int)
         reward = float(reward)
         obs_ids = None if terminated or truncated else chat.observation_ids(obs)
         images = [] if obs_ids is None else message_images(obs)
+        state = None if obs_ids is None else anchor(info, obs_ids, images)
     except Exception as exc:  # a malformed return value is the environment's error too
         _broken(ep, chat, exc)
         return
     ep.reward += reward * ep.discount ** (ep.turns - 1)  # the turn just played is turn turns - 1
     ep.outcome += reward
+    ep.turn_rewards.append(reward)
+    if state is not None:
+        ep.state = state
     ep.info = info if isinstance(info, dict) else {}
     if terminated or truncated:
         ep.finish_reason = "terminated" if terminated else "truncated"

@@ -23,6 +23,12 @@ Tool-call mode (envs/tools.py): an environment that declares `tools` is stepped 
 `ToolTurn` (the turn's text and its parsed calls) instead of the text, and answers calls with
 `tool` messages (`run_tools`); the chat template renders the tools and the model's calls are
 parsed in its family's format, so the environment still never sees tokens.
+
+Each turn's state: an environment may name the state a turn is played from with a string
+under `info["state"]` (`STATE`) in what `reset` and `step` return, e.g. the agent's cell in a
+maze. Estimators that compare turns played from the same state (`--learner.step-weight`,
+GiGPO's step-level groups) group by it; without it a turn's state is its observation as
+rendered (tokens and pixels), so states are the same only where the observations are.
 """
 
 from __future__ import annotations
@@ -228,6 +234,22 @@ def distinct_tasks(draw: Callable[[np.random.Generator], T], seed: int, n: int,
     return list(out.values())
 
 
+STATE = "state"
+"""The `info` key under which an environment names the state of the next turn (a string)."""
+MAX_STATE = 1024
+"""Longest `info["state"]`, in characters."""
+
+
+def checked_info(info: Any) -> Any:
+    """`info` unchanged; ValueError if it names a state (`STATE`) that is not a string of at most
+    `MAX_STATE` characters."""
+    state = info.get(STATE) if isinstance(info, dict) else None
+    if state is not None and not (isinstance(state, str) and len(state) <= MAX_STATE):
+        raise ValueError(f"info[{STATE!r}] names the next turn's state as a string of at most {MAX_STATE} "
+                         f"characters, got {type(state).__name__} {str(state)[:60]!r}")
+    return info
+
+
 class TextEnv(gym.Env):
     """A multi-turn text environment on the Gymnasium API.
 
@@ -319,7 +341,7 @@ class TextEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         obs, info = self._reset(dict(options or {}))
-        return messages(obs), info
+        return messages(obs), checked_info(info)
 
     def step(self, action: str | ToolTurn):
         if isinstance(action, ToolTurn):
@@ -335,4 +357,4 @@ class TextEnv(gym.Env):
             raise TypeError(f"action must be the model's text (str), or a ToolTurn in tool-call mode, got "
                             f"{type(action).__name__}")
         obs, reward, terminated, truncated, info = self._step(action)
-        return messages(obs), float(reward), bool(terminated), bool(truncated), info
+        return messages(obs), float(reward), bool(terminated), bool(truncated), checked_info(info)

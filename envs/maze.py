@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import TextEnv, distinct_tasks
+from envs.base import STATE, TextEnv, distinct_tasks
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 _ALIASES = {"u": "up", "n": "up", "north": "up", "d": "down", "s": "down", "south": "down",
@@ -213,7 +213,11 @@ class MazeEnv(TextEnv):
             maze = generate(self.np_random, size, self.wall_density, self.min_path)
         self.maze, self.pos, self.steps = maze, maze.start, 0
         self.visited = {maze.start}
-        return self._observe("start"), {"optimal_steps": len(shortest_path(maze) or [])}
+        return self._observe("start"), {"optimal_steps": len(shortest_path(maze) or []), STATE: self._state()}
+
+    def _state(self) -> str:
+        """The agent's cell: what decides where a move leads (the trail and the turns left do not)."""
+        return f"{self.pos[0]},{self.pos[1]}"
 
     def _stage(self, version: int) -> int:
         """The curriculum's size at policy `version` (`size` without a curriculum)."""
@@ -250,5 +254,5 @@ class MazeEnv(TextEnv):
                 status = f"wall {move}"
         reached = self.pos == self.maze.goal
         truncated = not reached and self.steps >= self.max_steps
-        info = {"move": move, "status": status, "steps": self.steps}
+        info = {"move": move, "status": status, "steps": self.steps, STATE: self._state()}
         return self._observe(status), 1.0 if reached else 0.0, reached, truncated, info

@@ -176,6 +176,9 @@ class Config:
             raise ValueError("--replay.drop-zero-variance is for group-relative advantages in the asynchronous mode: "
                              + ("PPO's critic learns from every group (use --algo grpo or rloo)" if self.algo == "ppo"
                                 else "--colocate plays exactly each step's batch, with no replay service to drop from"))
+        if self.learner.step_weight > 0 and self.algo == "ppo":
+            raise ValueError("--learner.step-weight adds GiGPO's step-level advantage to a group-relative one "
+                             "(--algo grpo or rloo); PPO's critic gives each turn its own credit already")
         if self.ray_address and not self.replay.sign:
             raise ValueError("--replay.no-sign with --ray-address: frames between nodes are always signed with the "
                              "run's key (drop --replay.no-sign)")

@@ -156,7 +156,8 @@ def step_scalars(m: dict) -> dict[str, float]:
     }
     optional = {"kl_ref": "learner/kl_ref", "value_loss": "critic/value_loss",
                 "explained_variance": "critic/explained_variance", "value_clip_fraction": "critic/clip_fraction",
-                "critic_grad_norm": "critic/grad_norm", "checkpoint_s": "perf/checkpoint_s"}
+                "critic_grad_norm": "critic/grad_norm", "checkpoint_s": "perf/checkpoint_s",
+                "step_share": "learner/step_share"}
     out.update({tag: m[k] for k, tag in optional.items() if k in m})
     if "generate_s" in m:  # colocated mode: the ranks take turns generating and training
         total = m["generate_s"] + m["wait_s"] + m["train_s"] + m["publish_s"]

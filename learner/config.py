@@ -3,6 +3,7 @@ are the headline flags `--algo` and `--correction` of the root config."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -102,6 +103,14 @@ class LearnerConfig:
     """The constant length L of seq_mean_token_sum_norm."""
     normalize_std: bool = True
     """Divide GRPO advantages by the group's reward std; off gives Dr.GRPO."""
+    step_weight: float = 0.0
+    """GiGPO (Feng et al. 2025): ω of the step-level advantage added to every turn's tokens
+    beside the group's episode-level one (0 = off). The turns of a group played from the same
+    state (the environment's `info["state"]`, else the same observation) form a step group, and a
+    turn's step advantage is its discounted return against theirs, so a move that wastes a turn
+    or leads away from the goal is pushed down inside an episode that succeeds. For grpo and rloo."""
+    step_gamma: float = 0.95
+    """GiGPO: γ of a turn's return, Σ_k γ^k r_(t+k) over the turn's own reward and the later ones."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference policy (the model with the adapter disabled) in the loss
     (0 = off, no reference forward pass)."""
@@ -207,6 +216,9 @@ class LearnerConfig:
             raise ValueError(f"--learner.norm-length must be at least 1, got {self.norm_length}")
         if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
             raise ValueError("--learner.kl-coef, --learner.entropy-coef and --learner.vf-coef must be ≥ 0")
+        if not (math.isfinite(self.step_weight) and self.step_weight >= 0 and 0 < self.step_gamma <= 1):
+            raise ValueError(f"--learner.step-weight must be ≥ 0 and --learner.step-gamma in (0, 1], got "
+                             f"{self.step_weight:g} and {self.step_gamma:g}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"--learner.gamma and --learner.lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.restarts < 0:

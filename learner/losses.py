@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from learner.config import AGGREGATIONS, ALGOS, CORRECTIONS, KL_ESTIMATORS  # noqa: F401  (the choices)
@@ -94,6 +95,49 @@ def group_advantages(rewards: torch.Tensor, algo: str, normalize_std: bool = Tru
     if algo == "rloo":
         return rloo_advantages(rewards)
     raise ValueError(f"no group advantage for --algo {algo!r}; choose grpo or rloo (ppo uses the critic)")
+
+
+def step_advantages(anchors: list, turn_rewards: list, gamma: float, normalize_std: bool = True,
+                    eps: float = 1e-6) -> list[np.ndarray]:
+    """GiGPO's step-level advantages (Feng et al. 2025) of one group: per trajectory, one per turn.
+
+    anchors[i][t] is the state turn t of trajectory i was played from, turn_rewards[i][t] its
+    reward. A turn's return is Σ_k γ^k r_(t+k) (its own reward and the later ones); the turns of
+    the whole group played from the same state form a step group, and each turn's advantage is
+    its return against that group's, (R − mean) / (std + eps) (without normalize_std, R − mean).
+    A turn alone in its step group, or in one whose returns are all equal, gets exactly 0.
+    Computed in float64.
+    """
+    returns = []
+    for rewards in turn_rewards:
+        out, acc = np.zeros(len(rewards)), 0.0
+        for t in range(len(rewards) - 1, -1, -1):
+            acc = float(rewards[t]) + gamma * acc
+            out[t] = acc
+        returns.append(out)
+    members: dict[int, list[tuple[int, int]]] = {}
+    for i, keys in enumerate(anchors):
+        for t, key in enumerate(keys):
+            members.setdefault(int(key), []).append((i, t))
+    advantages = [np.zeros(len(r)) for r in returns]
+    for turns in members.values():
+        r = np.array([returns[i][t] for i, t in turns])
+        if len(turns) < 2 or (r == r[0]).all():
+            continue
+        centred = r - r.mean()
+        if normalize_std:
+            centred = centred / (r.std() + eps)
+        for (i, t), a in zip(turns, centred):
+            advantages[i][t] = a
+    return advantages
+
+
+def turn_index(mask: np.ndarray) -> np.ndarray:
+    """mask [T] (1 on model tokens) -> [T]: each model token's turn, counted from 0 by the runs of
+    1s (a turn's reply is one run: observation tokens, mask 0, separate two); -1 off the mask."""
+    m = np.asarray(mask).astype(bool)
+    starts = m & ~np.concatenate([[False], m[:-1]])
+    return np.where(m, np.cumsum(starts) - 1, -1)
 
 
 def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

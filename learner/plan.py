@@ -32,7 +32,7 @@ class StartOfStep:
     """What stays fixed through a step's mini-batches (computed without grad)."""
 
     old: torch.Tensor | None                # [B, T] log π_old; None: π_θ detached (one mini-batch)
-    advantages: torch.Tensor                # [B] group estimators, or [B, T] GAE (ppo)
+    advantages: torch.Tensor                # [B] group estimators, or [B, T] (GAE; step advantages)
     old_values: torch.Tensor | None = None  # [B, T] V_old (ppo)
     returns: torch.Tensor | None = None     # [B, T] GAE returns (ppo)
 
@@ -40,12 +40,14 @@ class StartOfStep:
 def trained_rows(batch, critic: bool, mini_batches: int) -> tuple[list[int], list[list[int]]]:
     """The rows of `batch` (a learner.batch.Batch) a step trains on, and their mini-batches.
 
-    Without a critic, a trajectory with zero advantage (its group's rewards were all equal)
-    adds nothing to the gradient: it is skipped, no forward pass. PPO's critic learns from
+    Without a critic, a trajectory with zero advantage on every token (its group's rewards were
+    all equal, and no turn's step advantage differs from 0) adds nothing to the gradient: it is
+    skipped, no forward pass. PPO's critic learns from
     every trajectory with action tokens. Rows are sorted by length so that similar lengths
     share a micro-batch; mini-batch k takes every k-th, so each spans all lengths.
     """
-    keep = batch.mask.sum(1) > 0 if critic else batch.advantages.abs() > 1e-8
+    adv = batch.advantages
+    keep = batch.mask.sum(1) > 0 if critic else (adv.abs() if adv.dim() == 1 else adv.abs().amax(1)) > 1e-8
     live = keep.nonzero().flatten().tolist()
     live.sort(key=lambda i: int(batch.attention[i].sum()))
     return live, [live[k::mini_batches] for k in range(mini_batches)]
@@ -139,4 +141,6 @@ def step_metrics(batch, live: list[int], sums: StepSums, mini_batches: int) -> d
     }
     if sums.critic_norms:
         local["critic_grad_norm"] = sum(sums.critic_norms) / len(sums.critic_norms)
+    if batch.step_share is not None:
+        local["step_share"] = batch.step_share
     return local

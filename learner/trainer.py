@@ -232,7 +232,8 @@ class Learner(Forward):
         from learner.batch import collate
 
         groups = self.replay.sample(self.version, self.rank, self.version)
-        batch = collate(groups, self.version, self.pad_id, self.cfg.normalize_std, self.algo)
+        batch = collate(groups, self.version, self.pad_id, self.cfg.normalize_std, self.algo,
+                        self.cfg.step_weight, self.cfg.step_gamma)
         return batch, [g.group_id for g in groups]
 
     def _start_of_step(self, batch, rows: list[int]) -> StartOfStep:
@@ -319,7 +320,8 @@ class Learner(Forward):
         if share == 0.0:
             mask = mask * 0  # a padding micro-batch: it takes part in the collectives only
         old = start.old[rows, :width].to(self.device) if start.old is not None else None
-        adv = (start.advantages[rows, :width] if ppo else start.advantages[rows]).to(self.device)
+        adv = start.advantages[rows, :width] if start.advantages.dim() == 2 else start.advantages[rows]
+        adv = adv.to(self.device)
         logp, entropy = self._policy_terms(tokens, attention, pixels, entropy=True)  # [b, T] each
         ref = self._ref_logprobs(tokens, attention, pixels) if cfg.kl_coef > 0 else None
         loss, m = policy_objective(cfg, self.correction, logp, entropy, mask,

@@ -12,15 +12,16 @@ before it is decoded.
 
 A group travels as one blob that replay validates, stores and serves exactly as
 it arrived, without re-encoding it: a magic, a small msgpack header (ids,
-per-trajectory lengths, rewards, turns, finish reasons, image shapes) and then
-every trajectory's arrays concatenated field by field as little-endian raw bytes
-(tokens, versions, log-probs: 4-byte aligned; then the mask), then the images'
-pixels, trajectory by trajectory and image by image, each row-major H×W×3 uint8
-(RGB). A header without image shapes (every blob written before images) means
-no images. Encoding is one copy of the arrays and pixels; decoding copies
-nothing: the arrays and images are read-only views of the blob (a ZeroMQ frame
-on the learner), and the checks on their contents are a few vectorised passes
-over the whole group (any pixel value is valid: only the shapes are checked).
+per-trajectory lengths, rewards, turns, finish reasons, image shapes, each turn's state
+and reward) and then every trajectory's arrays concatenated field by field as
+little-endian raw bytes (tokens, versions, log-probs: 4-byte aligned; then the mask),
+then the images' pixels, trajectory by trajectory and image by image, each row-major
+H×W×3 uint8 (RGB). A header without image shapes (every blob written before images)
+means no images, and one without turn states that they were not recorded. Encoding
+is one copy of the arrays and pixels; decoding copies nothing: the arrays and images
+are read-only views of the blob (a ZeroMQ frame on the learner), and the checks on
+their contents are a few vectorised passes over the whole group (any pixel value is
+valid: only the shapes are checked).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 Side = Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGE_SIDE)]
 ImageShapes = Annotated[list[tuple[Side, Side]], msgspec.Meta(max_length=MAX_IMAGES)]
 """One trajectory's images, as [height, width] each, in the order of their placeholders."""
+MAX_TURNS = 1 << 16
+"""Most model turns in one trajectory whose states and rewards a group carries."""
+Anchors = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]], msgspec.Meta(max_length=MAX_TURNS)]
+TurnRewards = Annotated[list[float], msgspec.Meta(max_length=MAX_TURNS)]
 
 
 class GroupHeader(msgspec.Struct, frozen=True):
@@ -80,6 +85,10 @@ class GroupHeader(msgspec.Struct, frozen=True):
     meta: Annotated[dict[str, float], msgspec.Meta(max_length=256)] = {}
     images: Annotated[list[ImageShapes], msgspec.Meta(max_length=MAX_GROUP)] = []
     """Per trajectory, its images' shapes; empty (or absent) when no trajectory has images."""
+    anchors: Annotated[list[Anchors], msgspec.Meta(max_length=MAX_GROUP)] = []
+    """Per trajectory, each turn's state (`Trajectory.anchors`); empty (or absent): not recorded."""
+    turn_rewards: Annotated[list[TurnRewards], msgspec.Meta(max_length=MAX_GROUP)] = []
+    """Per trajectory, each turn's reward; present exactly when `anchors` is."""
 
 
 _GROUP_HEADER = msgspec.msgpack.Decoder(GroupHeader)
@@ -99,6 +108,11 @@ class Trajectory:
     images: list = field(default_factory=list)
     """The episode's images in the order their placeholder tokens appear in `tokens`: each a
     uint8 array [H, W, 3] (RGB)."""
+    anchors: list[int] = field(default_factory=list)
+    """Per model turn, the state it was played from as a 63-bit key (actors/rollout.py `anchor`);
+    empty: not recorded (a producer of its own), else one per turn."""
+    turn_rewards: list[float] = field(default_factory=list)
+    """Per model turn, the environment's reward for it, undiscounted; recorded with `anchors`."""
 
     @property
     def version(self) -> int:
@@ -361,6 +375,9 @@ def encode_group(group: Group, alloc=None) -> bytearray | memoryview:
               "finish": [t.finish_reason for t in trajs]}
     if any(shapes):  # a group without images is written as before images existed
         header["images"] = shapes
+    if any(t.anchors for t in trajs):  # so is a group whose turns' states were not recorded
+        header["anchors"] = [[int(a) for a in t.anchors] for t in trajs]
+        header["turn_rewards"] = [[float(r) for r in t.turn_rewards] for t in trajs]
     n = sum(lens)
 
     def fill(payload: memoryview) -> None:
@@ -423,6 +440,7 @@ def read_group(blob: Any, trajectories: bool = True) -> Group:
     shapes = header.images or [[] for _ in lens]
     if len(shapes) != len(lens):
         raise WireError(f"group: 'images' has {len(shapes)} entries for {len(lens)} trajectories")
+    anchors, turn_rewards = _turn_states(header)
     n = sum(lens)
     if len(payload) != _BYTES_PER_TOKEN * n + _pixel_bytes(shapes):
         raise WireError(f"{what}: payload length does not match the trajectory lengths and image shapes")
@@ -432,13 +450,32 @@ def read_group(blob: Any, trajectories: bool = True) -> Group:
         offset += n * arrays[name].itemsize
     tokens, versions, logprobs, mask = (arrays[k] for k in ("tokens", "versions", "logprobs", "mask"))
     starts = [0, *itertools.accumulate(lens[:-1])]
-    trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f, images)
-             for s, k, r, t, f, images in zip(starts, lens, rewards, turns, finish,
-                                               _images(payload, _BYTES_PER_TOKEN * n, shapes))
+    trajs = [Trajectory(tokens[s:s + k], logprobs[s:s + k], mask[s:s + k], versions[s:s + k], r, t, f, images,
+                        a, tr)
+             for s, k, r, t, f, images, a, tr in zip(starts, lens, rewards, turns, finish,
+                                                      _images(payload, _BYTES_PER_TOKEN * n, shapes),
+                                                      anchors, turn_rewards)
              ] if trajectories else []
     return Group(gid, header.task[:256], trajs, actor=header.actor[:128],
                  meta=dict(header.meta), _arrays=(tokens, versions, logprobs, mask, starts),
                  _rewards=None if trajectories else np.array(rewards, dtype=np.float32))
+
+
+def _turn_states(header: GroupHeader) -> tuple[list, list]:
+    """Each trajectory's (anchors, turn rewards) from the header, empty lists where not recorded;
+    WireError unless both are absent or both give one entry per turn, the rewards finite."""
+    n = len(header.lens)
+    if not header.anchors and not header.turn_rewards:
+        return [[] for _ in range(n)], [[] for _ in range(n)]
+    if len(header.anchors) != n or len(header.turn_rewards) != n:
+        raise WireError(f"group: 'anchors' and 'turn_rewards' need one entry per trajectory ({n}), got "
+                        f"{len(header.anchors)} and {len(header.turn_rewards)}")
+    for i, (a, r, turns) in enumerate(zip(header.anchors, header.turn_rewards, header.turns)):
+        if len(a) != turns or len(r) != turns:
+            raise WireError(f"group: trajectory {i} has {turns} turns but {len(a)} anchors and {len(r)} turn rewards")
+        if not all(math.isfinite(x) for x in r):
+            raise WireError(f"group: trajectory {i}'s turn rewards must be finite")
+    return header.anchors, header.turn_rewards
 
 
 def check_group(group: Group) -> Group:

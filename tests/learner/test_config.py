@@ -29,10 +29,19 @@ def test_bad_headline_values_name_the_flag(kwargs, message):
     ({"kl_coef": -1.0}, "--learner.kl-coef"),
     ({"lam": 1.5}, "--learner.lam"),
     ({"critic_lr": 0.0}, "--learner.critic-lr"),
+    ({"step_weight": -1.0}, "--learner.step-weight must be ≥ 0"),
+    ({"step_weight": float("nan")}, "--learner.step-weight"),
+    ({"step_gamma": 0.0}, "--learner.step-gamma in \\(0, 1\\]"),
 ])
 def test_bad_learner_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LearnerConfig(**kwargs)
+
+
+def test_step_advantages_go_with_a_group_relative_estimator():
+    assert Config(algo="rloo", learner=LearnerConfig(step_weight=1.0)).learner.step_weight == 1.0
+    with pytest.raises(ValueError, match="PPO's critic gives each turn its own credit"):
+        Config(algo="ppo", learner=LearnerConfig(step_weight=1.0))
 
 
 def test_defaults_are_the_measured_recipe():

@@ -31,6 +31,13 @@ def make_group(version: int = 0, size: int = 4, length: int = 40, rewards=None, 
     return Group(uuid.uuid4().hex, f"seed={seed}", trajs, actor=actor)
 
 
+def with_turn_states(g: Group) -> Group:
+    """`g` with each trajectory's three turns' states and rewards, as an actor records them."""
+    for i, t in enumerate(g.trajectories):
+        t.anchors, t.turn_rewards = [i, (1 << 63) - 1, 7], [0.0, -0.5, float(i)]
+    return g
+
+
 IMAGE_SHAPES = [[(17, 23), (64, 48), (1, 1)], [], [(5, 300)], [(32, 32), (32, 32)]]
 """Images per trajectory of `make_image_group`: different numbers and sizes, one with none."""
 

@@ -12,7 +12,8 @@ import pytest
 from replay.zmq_client import ZmqActorReplay, ZmqLearnerReplay
 from replay.log import ReplayLog
 from replay.wire import encode_group
-from tests.replay.helpers import KEY, assert_same_images, free_port, make_group, make_image_group, start_replay
+from tests.replay.helpers import (KEY, assert_same_images, free_port, make_group, make_image_group, start_replay,
+                                  with_turn_states)
 
 
 @pytest.mark.parametrize("path", ["shared memory", "socket"])
@@ -49,7 +50,7 @@ def test_sigkill_and_restart_loses_nothing_and_serves_nothing_twice(tmp_path, pa
 
 
 @pytest.mark.parametrize("path", ["shared memory", "socket"])
-def test_a_replay_restarted_on_its_log_serves_the_same_images(tmp_path, path):
+def test_a_replay_restarted_on_its_log_serves_the_same_images_and_turn_states(tmp_path, path):
     from replay.log import groups as logged
 
     port, log_dir = free_port(), tmp_path / "log"
@@ -59,7 +60,7 @@ def test_a_replay_restarted_on_its_log_serves_the_same_images(tmp_path, path):
                            arena_bytes=(1 << 20) if path == "shared memory" else 0)
     actor.hello()
     assert actor._shared == (path == "shared memory")
-    groups = [make_image_group(seed=i) for i in range(4)]
+    groups = [with_turn_states(make_image_group(seed=i)) for i in range(4)]
     assert [actor.push(g) for g in groups] == ["stored"] * 4
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -68,6 +69,8 @@ def test_a_replay_restarted_on_its_log_serves_the_same_images(tmp_path, path):
     assert [g.group_id for g in on_log] == list(sent)
     for g in on_log:
         assert_same_images(sent[g.group_id], g)
+        assert [(t.anchors, t.turn_rewards) for t in g.trajectories] == \
+            [(t.anchors, t.turn_rewards) for t in sent[g.group_id].trajectories]
 
     proc = start_replay(port, log_dir)
     try:

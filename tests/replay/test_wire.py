@@ -7,7 +7,8 @@ import pytest
 from replay.wire import (MAX_IMAGE_SIDE, MAX_IMAGES, WireError, decode_group, encode_group, group_blob,
                          group_parts, pack, unpack)
 
-from tests.replay.helpers import IMAGE_SHAPES, assert_same_images, bad_image_blobs, frame, make_group, make_image_group
+from tests.replay.helpers import (IMAGE_SHAPES, assert_same_images, bad_image_blobs, frame, make_group, make_image_group,
+                                  with_turn_states)
 
 
 def test_group_round_trip_is_exact():
@@ -74,6 +75,19 @@ def test_a_group_without_images_is_the_blob_it_was_before_images():
     assert decode_group(frame({**header, "images": [[], [], [], []]}, payload)).trajectories[0].images == []
 
 
+def test_each_turns_state_and_reward_round_trip_exactly():
+    g = with_turn_states(make_group(seed=6))
+    blob = encode_group(g)
+    header, _ = group_parts(blob)
+    assert header["anchors"][1] == [1, (1 << 63) - 1, 7] and header["turn_rewards"][3] == [0.0, -0.5, 3.0]
+    back = decode_group(memoryview(blob))
+    for a, b in zip(g.trajectories, back.trajectories):
+        assert (a.anchors, a.turn_rewards) == (b.anchors, b.turn_rewards)
+    assert bytes(encode_group(back)) == bytes(blob)
+    plain = decode_group(encode_group(make_group(seed=6)))  # not recorded: absent, and empty lists
+    assert all(t.anchors == [] and t.turn_rewards == [] for t in plain.trajectories)
+
+
 @pytest.mark.parametrize("image, message", [
     (np.zeros((4, 4, 3), np.float32), "uint8 array"),
     (np.zeros((4, 4), np.uint8), "uint8 array"),
@@ -108,9 +122,9 @@ def test_malformed_image_groups_are_rejected(case):
         decode_group(blob)
 
 
-def corrupt(mutate_header=None, mutate_payload=None) -> bytes:
-    """A valid group blob with its header or payload changed."""
-    header, payload = group_parts(encode_group(make_group()))
+def corrupt(mutate_header=None, mutate_payload=None, group=None) -> bytes:
+    """A valid group blob (of `group`, else `make_group()`) with its header or payload changed."""
+    header, payload = group_parts(encode_group(group or make_group()))
     payload = bytearray(payload)
     if mutate_header:
         mutate_header(header)
@@ -136,6 +150,13 @@ def _set(view, dtype, field_index, value, n):
     (lambda: corrupt(lambda h: h.pop("turns")), "turns"),
     (lambda: corrupt(lambda h: h["turns"].pop()), "'turns' has 3 entries for 4"),
     (lambda: corrupt(lambda h: h.update(lens=[], rewards=[], turns=[], finish=[])), "trajectories"),
+    (lambda: corrupt(lambda h: h["anchors"][2].pop(), group=with_turn_states(make_group())),
+     "trajectory 2 has 3 turns but 2 anchors and 3 turn rewards"),
+    (lambda: corrupt(lambda h: h["turn_rewards"][0].__setitem__(1, float("inf")), group=with_turn_states(make_group())),
+     "turn rewards must be finite"),
+    (lambda: corrupt(lambda h: h["anchors"][0].__setitem__(0, -1), group=with_turn_states(make_group())), "anchors"),
+    (lambda: corrupt(lambda h: h.pop("turn_rewards"), group=with_turn_states(make_group())),
+     "one entry per trajectory"),
     (lambda: corrupt(lambda h: h.update(group_id="")), "group_id"),
     (lambda: corrupt(lambda h: h.update(v=99)), "schema"),
     (lambda: corrupt(mutate_payload=lambda p: _set(p, "<i4", 0, -5, len(p) // 13)), "negative token"),
