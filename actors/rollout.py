@@ -49,7 +49,7 @@ import numpy as np
 
 from actors.engine import Engine, RequestEngine, SamplingParams, stream_seed
 from actors.envrunner import EnvRunner
-from envs.base import STATE, TextEnv, checked_info
+from envs.base import STATE, TextEnv
 from envs.tools import ToolCall, ToolTurn
 from policy.chat import message_images
 from replay.wire import Trajectory
@@ -280,8 +280,9 @@ def _opened(ep: Episode, chat, result, params: SamplingParams, max_tokens: int) 
 
 def anchor(info: Any, ids: list[int], images: list) -> int:
     """A turn's state as a 63-bit key: the environment's `info["state"]` where it names one
-    (envs/base.py), else the observation as rendered (its token ids and its images' pixels)."""
-    state = checked_info(info).get(STATE) if isinstance(info, dict) else None
+    (a string: `TextEnv.reset` and `step` refuse anything else), else the observation as rendered
+    (its token ids and its images' pixels)."""
+    state = info.get(STATE) if isinstance(info, dict) else None
     digest = hashlib.blake2b(digest_size=8)
     if state is not None:
         digest.update(b"state\0" + state.encode())
