@@ -81,6 +81,16 @@ class ActorConfig:
     group by what its episodes achieved (the rewards undiscounted), so a group whose episodes all
     succeed, in whatever numbers of turns, is still dropped and the discount ranks the episodes
     of the groups kept; evaluation reports the environment's own rewards."""
+    novelty: float = 0.0
+    """β of a count-based exploration bonus: an episode whose environment rewards sum to 0 or less
+    is credited β·(1 − 1/n), n the distinct states its turns were played from (the environment's
+    info["state"], else the observations), so of two failures the one that went to more places
+    earns more (a bump or a loop adds no state). Every failure of a group then no longer gives
+    equal rewards: --replay.drop-zero-variance keeps such a group and GRPO pushes towards the
+    plays that explored, on tasks no sample solves. β in [0, 1): below a reward of 1, so an
+    episode that succeeds outranks every failure. The learner, the replay log and
+    rollout/reward_mean see the bonus (rollout/novelty, its mean over episodes); evaluation
+    reports the environment's own rewards. 0: off."""
     greedy_play: bool = False
     """Play one episode of each group greedily (each token the policy's most probable) beside
     the sampled ones, its log-probs taken at --actor.temperature like theirs: a task the sampling
@@ -229,6 +239,8 @@ class ActorConfig:
                              f"{self.revisit:g} and {self.revisit_pool}")
         if not 0 < self.turn_discount <= 1:
             raise ValueError(f"--actor.turn-discount is a γ in (0, 1], got {self.turn_discount:g}")
+        if not 0 <= self.novelty < 1:
+            raise ValueError(f"--actor.novelty is a β in [0, 1), got {self.novelty:g}")
         if self.group_size < 2:
             raise ValueError(f"--actor.group-size must be at least 2 (GRPO compares samples), got {self.group_size}")
         if self.greedy_play and self.engine != "torch":
@@ -392,7 +404,7 @@ class Actor:
         episodes = [start(self.make_env(), self.chat, self.runner, seed=seed, options=options,
                           version=self.engine.version,
                           sampling_seed=stream_seed(self.seed, n, j) if self.seeded else None,
-                          discount=self.cfg.turn_discount, greedy=self.cfg.greedy_play and j == 0)
+                          discount=self.cfg.turn_discount, novelty=self.cfg.novelty, greedy=self.cfg.greedy_play and j == 0)
                     for j in range(self.cfg.group_size)]
         return _Live(uuid.uuid4().hex, seed, f"seed={seed}", episodes, time.perf_counter())
 
@@ -402,7 +414,7 @@ class Actor:
             close(e)
             if e.error:
                 log.warning("%s: environment error in an episode (%s): %s", self.name, g.task, e.error)
-        outcomes = [e.outcome for e in g.episodes]
+        outcomes = [e.outcome + e.bonus() for e in g.episodes]
         meta = {"gen_s": time.perf_counter() - g.started, OUTCOME_SPREAD: float(np.ptp(outcomes))}
         if self.cfg.greedy_play:
             meta[GREEDY_PLAYS] = 1.0
@@ -417,6 +429,8 @@ class Actor:
             self._stats["trajectories"] += len(trajs)
             self._stats["model_tokens"] += int(sum(t.mask.sum() for t in trajs))
             self._stats["reward_sum"] += float(sum(t.reward for t in trajs))
+            if self.cfg.novelty:
+                self._stats["novelty_sum"] += float(sum(e.bonus() for e in g.episodes))
             self._finish.update(t.finish_reason for t in trajs)
             for e in g.episodes:
                 self._count_info(e.info)

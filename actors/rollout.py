@@ -88,6 +88,8 @@ class Episode:
     outcome: float = 0.0
     """The environment's rewards summed, undiscounted: what the episode achieved, whatever its
     length (equal to `reward` when `discount` is 1)."""
+    novelty: float = 0.0
+    """β of the exploration bonus a failed episode earns (`bonus`); 0: none."""
     greedy: bool = False
     """Played greedily: every token the policy's most probable, with its log-prob at the
     sampling temperature (`start`)."""
@@ -101,6 +103,14 @@ class Episode:
     def __post_init__(self) -> None:
         n = len(self.tokens)
         self.logprobs, self.mask, self.versions = [0.0] * n, [0] * n, [0] * n
+
+    def bonus(self) -> float:
+        """β·(1 − 1/n) for an episode whose environment rewards sum to 0 or less, n the distinct
+        states its turns were played from; 0 for one that earned a reward or that its environment
+        broke (--actor.novelty)."""
+        if not self.novelty or self.outcome > 0 or self.finish_reason == "env_error" or not self.anchors:
+            return 0.0
+        return self.novelty * (1.0 - 1.0 / len(set(self.anchors)))
 
     def request_seed(self) -> int | None:
         """The request seed of this episode's next turn (None: unseeded)."""
@@ -125,18 +135,20 @@ class Episode:
         turn_rewards = self.turn_rewards + [0.0] * (self.turns - len(self.turn_rewards))
         return Trajectory(tokens=np.asarray(self.tokens, np.int32), logprobs=np.asarray(self.logprobs, np.float32),
                           mask=np.asarray(mask, np.uint8), versions=np.asarray(self.versions, np.int32),
-                          reward=self.reward, turns=self.turns, finish_reason=self.finish_reason,
+                          reward=self.reward + self.bonus(), turns=self.turns, finish_reason=self.finish_reason,
                           images=list(self.images), anchors=list(self.anchors), turn_rewards=turn_rewards)
 
 
 def start(env: TextEnv, chat, runner: EnvRunner, seed: int | None = None,
           options: dict[str, Any] | None = None, version: int = 0,
-          sampling_seed: int | None = None, discount: float = 1.0, greedy: bool = False) -> Episode:
+          sampling_seed: int | None = None, discount: float = 1.0, greedy: bool = False,
+          novelty: float = 0.0) -> Episode:
     """A new episode of `env`; its reset (with `seed` and `options`) runs on `runner` and `turn`
     picks up the prompt. `sampling_seed` names the episode's random stream, `discount` the γ of
-    its return, `greedy` whether it is played greedily (`Episode`)."""
+    its return, `greedy` whether it is played greedily, `novelty` the β of its exploration bonus
+    (`Episode`)."""
     ep = Episode(env=env, tokens=[], version=version, busy=True, sampling_seed=sampling_seed,
-                 discount=discount, greedy=greedy)
+                 discount=discount, greedy=greedy, novelty=novelty)
     runner.submit(ep.session, _reset, env, seed, options)
     return ep
 

@@ -205,7 +205,8 @@ class InfoMeans:
     since the last call: `env/<key>` scalars from the actors' cumulative `info_sum/` and `info_n/`
     counters (actors/actor.py); with --actor.greedy-play also `rollout/greedy_outcome`, what the
     greedy plays achieved (their environments' rewards summed) on the tasks played since the last
-    call: the greedy policy's score on fresh training tasks, beside evaluation's on its fixed set."""
+    call: the greedy policy's score on fresh training tasks, beside evaluation's on its fixed set;
+    with --actor.novelty also `rollout/novelty`, the mean exploration bonus an episode earned."""
 
     def __init__(self) -> None:
         self.seen: dict[str, tuple[float, float]] = {}
@@ -225,6 +226,8 @@ class InfoMeans:
                     add(f"env/{key}", v, s.get(f"info_n/{key}", 0))
             if s.get("greedy_plays"):
                 add("rollout/greedy_outcome", s.get("greedy_outcome_sum", 0.0), s["greedy_plays"])
+            if "novelty_sum" in s:
+                add("rollout/novelty", s["novelty_sum"], s.get("trajectories", 0))
         out = {}
         for tag, (total, n) in totals.items():
             before_total, before_n = self.seen.get(tag, (0.0, 0.0))
