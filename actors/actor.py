@@ -414,14 +414,16 @@ class Actor:
             close(e)
             if e.error:
                 log.warning("%s: environment error in an episode (%s): %s", self.name, g.task, e.error)
-        outcomes = [e.outcome + e.bonus() for e in g.episodes]
+        bonuses = [e.bonus() for e in g.episodes]
+        outcomes = [e.outcome + b for e, b in zip(g.episodes, bonuses)]
         meta = {"gen_s": time.perf_counter() - g.started, OUTCOME_SPREAD: float(np.ptp(outcomes))}
         if self.cfg.greedy_play:
             meta[GREEDY_PLAYS] = 1.0
         group = Group(g.group_id, g.task, trajs, actor=self.name, meta=meta)
         self.replay.send(group)  # acknowledged later; resent until it is
         # Under a turn discount the returns of a group differ with its episodes' lengths; whether
-        # the task has something to teach is a matter of what they achieved.
+        # the task has something to teach is a matter of what they achieved (with --actor.novelty,
+        # and of how far its failures went).
         mixed = self.revisits.record(g.seed, outcomes)
         with self._lock:
             self._stats["groups_mixed"] += mixed
@@ -430,7 +432,7 @@ class Actor:
             self._stats["model_tokens"] += int(sum(t.mask.sum() for t in trajs))
             self._stats["reward_sum"] += float(sum(t.reward for t in trajs))
             if self.cfg.novelty:
-                self._stats["novelty_sum"] += float(sum(e.bonus() for e in g.episodes))
+                self._stats["novelty_sum"] += float(sum(bonuses))
             self._finish.update(t.finish_reason for t in trajs)
             for e in g.episodes:
                 self._count_info(e.info)
