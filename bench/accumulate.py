@@ -1,11 +1,15 @@
 """`python -m bench.accumulate`: a 2-rank learner step with --learner.keep-gathered (or, with
-`--option fused-lora`, --learner.fused-lora) on and off.
+`--option fused-lora`, --learner.fused-lora; with `--option bf16`, --learner.dtype bfloat16
+against float32) on and off.
 
 Gradient accumulation under FSDP2 gathers every unit's parameters twice a micro-batch (forward and
 backward) and reduce-scatters its gradients once a micro-batch. With --learner.keep-gathered the
 parameters gathered for an update's first micro-batch stay until its last and the gradients are
 reduced once, after the last. With --learner.fused-lora a LoRA layer whose adapter is not thin
-next to its weight is computed as one linear map with W + s·B·A (learner/model.py). This bench
+next to its weight is computed as one linear map with W + s·B·A (learner/model.py). With
+--learner.dtype bfloat16 the frozen weights are stored and the step computed in bfloat16 (FSDP2's
+mixed precision), LoRA and the optimizer's state in float32; fused LoRA is float32 only, so the
+float32 variant has it and the bfloat16 one does not, as in a run with each. This bench
 times the real learner's step both ways: two ranks over gloo (one torch thread each), fed by a
 real replay service, on image-maze groups that the torch engine played with the built-in
 vision-language model (`--model`, `builtin:tiny-vlm` by default: built locally, nothing
@@ -38,7 +42,8 @@ from bench import ratio, sig, with_medians
 
 VARIANTS = ("off", "on")
 OPTIONS = {"keep-gathered": ("keep_gathered", {"off": "off", "on": "on"}),
-           "fused-lora": ("fused_lora", {"off": False, "on": True})}
+           "fused-lora": ("fused_lora", {"off": False, "on": True}),
+           "bf16": ("dtype", {"off": "float32", "on": "bfloat16"})}
 """--option: the LearnerConfig field it sets, and its value in each variant."""
 
 

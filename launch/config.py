@@ -34,7 +34,7 @@ differed before (--actor.revisit 0.5) and an entropy bonus of 0.01 (--learner.en
 the image maze's plateau most groups of 8 are all solved and the policy's entropy collapses:
 docs/vision.md measures 75-83% on image-maze-64 with the global defaults, 85-97% with the first
 two (95% or more within 30 minutes in two runs of ten) and 89-98% with all four (in four runs of
-eleven)."""
+twelve)."""
 
 
 def drops_apply(algo: str, colocate: bool) -> bool:

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from bench.accumulate import main, parse
+from bench.accumulate import OPTIONS, main, parse
+from learner.config import LearnerConfig
 
 
 @pytest.mark.slow
@@ -18,8 +19,18 @@ def test_the_bench_times_fused_lora_off_and_on_run_as_a_user_would(tiny_vlm, cap
     assert figures["loss_on"] == pytest.approx(figures["loss_off"], rel=1e-4, abs=1e-6)
 
 
-@pytest.mark.parametrize("argv, named", [(["--option", "bf16"], "--option"), (["--groups", "3"], "--groups")])
+@pytest.mark.parametrize("argv, named", [(["--option", "fp8"], "--option"), (["--groups", "3"], "--groups")])
 def test_bad_arguments_are_refused_with_a_message(capsys, argv, named):
     with pytest.raises(SystemExit):
         parse(argv)
     assert named in capsys.readouterr().err
+
+
+def test_each_option_sets_a_learner_field_both_ways():
+    """What `--option bf16` (and each other option) sets is a LearnerConfig a run would accept:
+    bfloat16 against float32, without fused LoRA in bfloat16 as a run would have it."""
+    assert parse(["--option", "bf16"]).option == "bf16"
+    for field, values in OPTIONS.values():
+        configs = [LearnerConfig(**{field: values[v]}) for v in ("off", "on")]
+        assert getattr(configs[0], field) != getattr(configs[1], field)
+    assert OPTIONS["bf16"] == ("dtype", {"off": "float32", "on": "bfloat16"})
