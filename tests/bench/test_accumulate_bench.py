@@ -27,10 +27,17 @@ def test_bad_arguments_are_refused_with_a_message(capsys, argv, named):
 
 
 def test_each_option_sets_a_learner_field_both_ways():
-    """What `--option bf16` (and each other option) sets is a LearnerConfig a run would accept:
-    bfloat16 against float32, without fused LoRA in bfloat16 as a run would have it."""
+    """Each --option's two variants are LearnerConfigs a run would accept, and differ; with
+    `--option bf16` the learner computes in float32 off and bfloat16 on."""
+    import torch
+
+    from learner.model import resolve_dtype
+
     assert parse(["--option", "bf16"]).option == "bf16"
     for field, values in OPTIONS.values():
         configs = [LearnerConfig(**{field: values[v]}) for v in ("off", "on")]
         assert getattr(configs[0], field) != getattr(configs[1], field)
-    assert OPTIONS["bf16"] == ("dtype", {"off": "float32", "on": "bfloat16"})
+    field, values = OPTIONS["bf16"]
+    assert field == "dtype"
+    dtypes = [resolve_dtype(LearnerConfig(dtype=values[v]).dtype, torch.device("cpu")) for v in ("off", "on")]
+    assert dtypes == [torch.float32, torch.bfloat16]
